@@ -1,0 +1,3 @@
+"""dflash-trt: one recipe in, one verified DFlash-accelerated Triton model repository out."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Click commands by area; each module exports COMMANDS. Heavy imports stay inside commands."""

