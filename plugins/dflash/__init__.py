@@ -1,0 +1,44 @@
+"""DFlash speculative plugin: KV injection, block-draft attention and acceptance as torch ops.
+
+Import through `dflash_trt.plugins.load_dflash_ops()`, which finds this folder in a checkout or in
+the installed package and imports it exactly once (the ops register themselves with torch.library
+on import, and a second registration would fail).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from . import reference
+from .ops import (
+    BACKENDS,
+    accept,
+    block_draft_attention,
+    get_backend,
+    kv_inject,
+    set_backend,
+    triton_available,
+)
+
+PLUGIN_DIR = Path(__file__).resolve().parent
+
+__all__ = [
+    "BACKENDS",
+    "PLUGIN_DIR",
+    "accept",
+    "block_draft_attention",
+    "get_backend",
+    "kv_inject",
+    "load_tolerances",
+    "reference",
+    "set_backend",
+    "triton_available",
+]
+
+
+def load_tolerances() -> dict[str, dict[str, dict[str, float]]]:
+    """tolerances.yaml as {op: {dtype name: {"abs_tol": a, "rel_tol": r}}}."""
+    with open(PLUGIN_DIR / "tolerances.yaml", encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
