@@ -27,9 +27,12 @@ test-unit: setup
 
 demo: setup
 	$(BIN)/dflash-trt build $(RECIPE)
+	# Serve the built repository with a real tritonserver, stream one answer, stop the server.
+	$(BIN)/dflash-trt serve build/$(basename $(notdir $(RECIPE)))/triton_repo \
+		--query "Write a Python function that reverses a string." --max-tokens 64
 
 lint: setup
-	$(BIN)/ruff check toolkit tests plugins
+	$(BIN)/ruff check toolkit tests plugins triton_repo
 
 clean:
 	rm -rf build

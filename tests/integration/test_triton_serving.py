@@ -1,0 +1,275 @@
+"""A real tritonserver serving a compiled + emitted tiny DFlash model, queried by real clients.
+
+One server for the module (each start costs seconds); its repository holds the decoupled `dflash`
+model and a non-decoupled copy, `dflash_sync`, for KServe HTTP infer (Triton refuses that endpoint
+for decoupled models).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from quant_fixtures import make_recipe, stage_context, write_resolved  # noqa: E402
+
+from dflash_trt.client import (  # noqa: E402
+    GenerateRequest,
+    GrpcClient,
+    HttpClient,
+    TritonRequestError,
+)
+from dflash_trt.engines import load_engine  # noqa: E402
+from dflash_trt.engines.base import SamplingParams, collect  # noqa: E402
+from dflash_trt.engines.compile import run_compile_stage  # noqa: E402
+from dflash_trt.server import TritonServer, group_members  # noqa: E402
+from dflash_trt.triton import emit_repository, run_emit_stage  # noqa: E402
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("pytriton", reason="needs the tritonserver bundled in nvidia-pytriton")
+
+PROMPTS = ["def add(a, b):", "Hello there", "The quick brown fox", "1, 2, 3, 4,",
+           "import os\n", "Once upon a time", "x = [", "SELECT * FROM"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """build/tiny/{engine,triton_repo} made by the real compile and emit stages."""
+    root = tmp_path_factory.mktemp("serving")
+    write_resolved(root / "tiny" / "resolved")
+    shutil.copytree(root / "tiny" / "resolved", root / "tiny" / "quantized")
+    recipe = make_recipe(root, target_format="none", drafter_format="none")
+    for stage, out, run in (("compile", "engine", run_compile_stage),
+                            ("emit", "triton_repo", run_emit_stage)):
+        ctx = stage_context(recipe, out)
+        run(ctx)
+        ctx.out.rename(ctx.stage_dir(stage))
+    build = root / "tiny"
+    emit_repository(build / "engine", build / "triton_repo",
+                    recipe.triton.model_copy(update={"model_name": "dflash_sync",
+                                                     "decoupled": False}), "cpu")
+    return build
+
+
+@pytest.fixture(scope="module")
+def engine(repo):
+    """The same engine in-process: the reference for the served text."""
+    return load_engine(repo / "engine")
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    with TritonServer(repo / "triton_repo") as srv:
+        yield srv
+
+
+def reference(engine, prompt, max_tokens=MAX_TOKENS, **kwargs):
+    ids = engine.tokenize(prompt, chat=False)
+    return collect(engine.stream(ids, SamplingParams(max_new_tokens=max_tokens, **kwargs)))
+
+
+@pytest.fixture()
+def grpc(server):
+    client = GrpcClient(server.grpc_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture()
+def http(server):
+    client = HttpClient(server.http_url)
+    yield client
+    client.close()
+
+
+def test_grpc_streaming_equals_the_engine(grpc, engine):
+    want = reference(engine, PROMPTS[0])
+    chunks = list(grpc.stream(GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                              temperature=0.0)))
+    assert len(chunks) == len(want.acceptance_lengths) > 1  # one response per target forward
+    assert "".join(c.text for c in chunks) == want.text
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    last = chunks[-1]
+    assert last.total_draft_tokens == want.total_draft_tokens
+    assert last.total_accepted_draft_tokens == want.total_accepted_draft_tokens
+    assert last.acceptance_length == pytest.approx(want.acceptance_length, rel=1e-5)
+
+
+def test_grpc_non_streaming_is_one_response(grpc, engine):
+    result = grpc.generate(GenerateRequest(prompt=PROMPTS[1], max_tokens=MAX_TOKENS))
+    want = reference(engine, PROMPTS[1])
+    assert result.num_responses == 1
+    assert (result.text, result.token_ids) == (want.text, want.token_ids)
+
+
+def test_no_speculation_gives_the_same_text(grpc, engine):
+    result = grpc.generate(GenerateRequest(prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                           num_draft_tokens=0))
+    assert result.total_draft_tokens == 0 and result.acceptance_length == 1.0
+    assert result.text == reference(engine, PROMPTS[2]).text
+
+
+def test_http_infer_on_the_non_decoupled_model(server, engine):
+    client = HttpClient(server.http_url, "dflash_sync")
+    try:
+        result = client.infer(GenerateRequest(prompt=PROMPTS[3], max_tokens=MAX_TOKENS))
+    finally:
+        client.close()
+    want = reference(engine, PROMPTS[3])
+    assert (result.text, result.token_ids) == (want.text, want.token_ids)
+
+
+def test_http_generate_and_generate_stream(http, engine):
+    want = reference(engine, PROMPTS[4])
+    result = http.generate(GenerateRequest(prompt=PROMPTS[4], max_tokens=MAX_TOKENS))
+    assert (result.text, result.token_ids) == (want.text, want.token_ids)
+    chunks = list(http.stream(GenerateRequest(prompt=PROMPTS[4], max_tokens=MAX_TOKENS)))
+    assert len(chunks) > 1
+    assert "".join(c.text for c in chunks) == want.text
+
+
+def test_stop_words_end_the_answer(grpc, engine):
+    want = reference(engine, PROMPTS[5])
+    stop = want.text[len(want.text) // 2:][:2]
+    if not stop.strip():
+        pytest.skip("reference text has no usable stop word")
+    result = grpc.generate(GenerateRequest(prompt=PROMPTS[5], max_tokens=MAX_TOKENS,
+                                           stop_words=(stop,)))
+    assert result.text == reference(engine, PROMPTS[5], stop_words=(stop,)).text
+    assert len(result.text) < len(want.text)
+
+
+@pytest.mark.parametrize("request_, field", [
+    (GenerateRequest(prompt=""), "text_input"),
+    (GenerateRequest(prompt=b"\xff\xfe bad"), "text_input"),
+    (GenerateRequest(prompt="hi", max_tokens=-3), "max_tokens"),
+    (GenerateRequest(prompt="hi", max_tokens=1_000_000), "max_tokens"),
+    (GenerateRequest(prompt="hi", temperature=-1.0), "temperature"),
+    (GenerateRequest(prompt="long " * 100), "text_input"),  # 500 tokens > max_seq_len 256
+])
+def test_bad_requests_name_the_field_and_the_server_keeps_serving(grpc, server, request_, field):
+    with pytest.raises(TritonRequestError, match=field):
+        list(grpc.stream(request_))
+    assert server.is_ready()
+    assert grpc.generate(GenerateRequest(prompt="ok", max_tokens=2)).token_ids
+
+
+def test_missing_text_input_over_http_generate(http, server):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/dflash/generate",
+                                 data=json.dumps({"max_tokens": 3}).encode())
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert "text_input" in err.value.read().decode()
+    assert http.generate(GenerateRequest(prompt="ok", max_tokens=2)).token_ids
+
+
+def run_streams(server, prompts, results, errors, cancel_index=None):
+    def one(i, prompt):
+        client = GrpcClient(server.grpc_url)
+        try:
+            text = ""
+            stream = client.stream(GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS
+                                                   if i != cancel_index else 200))
+            for n, chunk in enumerate(stream):
+                text += chunk.text
+                if i == cancel_index and n == 1:
+                    stream.close()  # stops the gRPC stream with cancel_requests=True
+                    break
+            results[i] = text
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+
+
+def test_eight_concurrent_streams(server, engine):
+    results, errors = {}, []
+    run_streams(server, PROMPTS, results, errors)
+    assert not errors
+    assert results == {i: reference(engine, p).text for i, p in enumerate(PROMPTS)}
+
+
+def cancelled_count(server) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("dflash_requests_total") and 'outcome="cancelled"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_cancelled_stream_does_not_disturb_the_others(server, engine):
+    before = cancelled_count(server)
+    prompts = ["cancel me please"] + PROMPTS[:4]
+    results, errors = {}, []
+    run_streams(server, prompts, results, errors, cancel_index=0)
+    assert not errors
+    for i, prompt in enumerate(prompts[1:], start=1):
+        assert results[i] == reference(engine, prompt).text
+    # The model saw the cancellation (its worker records it when it notices; allow it a moment).
+    deadline = time.monotonic() + 60
+    while cancelled_count(server) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cancelled_count(server) == before + 1, server.log_tail()
+    assert server.is_ready()
+
+
+def test_acceptance_metrics_are_published(server, grpc):
+    grpc.generate(GenerateRequest(prompt="metrics", max_tokens=4))
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    for name in ("dflash_output_tokens_total", "dflash_target_forwards_total",
+                 "dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total"):
+        assert name in text
+
+
+def test_query_command_prints_json(server, engine):
+    from click.testing import CliRunner
+
+    from dflash_trt.commands.serve import query
+
+    result = CliRunner().invoke(query, ["--url", server.grpc_url, "--prompt", PROMPTS[6],
+                                        "--stream", "--max-tokens", str(MAX_TOKENS), "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output.strip().splitlines()[-1])
+    assert row["text"] == reference(engine, PROMPTS[6]).text
+
+
+def test_shutdown_leaves_no_processes(repo):
+    srv = TritonServer(repo / "triton_repo")
+    srv.start()
+    pid = srv.pid
+    assert len(group_members(pid)) >= 2  # the server and at least one Python stub
+    srv.stop()
+    assert group_members(pid) == []
+    assert not srv.is_running()
+
+
+def test_served_text_equals_dflash_trt_generate(repo, grpc):
+    from click.testing import CliRunner
+
+    from dflash_trt.cli import cli
+
+    engine_dir = repo / "engine"
+    result = CliRunner().invoke(cli, [
+        "generate", "--target", str(engine_dir / "target"), "--drafter", str(engine_dir / "drafter"),
+        "--prompt", PROMPTS[7], "--max-new-tokens", str(MAX_TOKENS), "--max-seq-len", "256",
+        "--temperature", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    want = json.loads(result.output.strip().splitlines()[-1])
+    served = grpc.generate(GenerateRequest(prompt=PROMPTS[7], max_tokens=MAX_TOKENS,
+                                           temperature=0.0))
+    assert (served.text, served.token_ids) == (want["text"], want["token_ids"])

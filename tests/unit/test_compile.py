@@ -1,0 +1,100 @@
+"""The compile stage and the engine loader: engine.yaml, relative checkpoints, smoke generation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import yaml
+from quant_fixtures import make_recipe, stage_context, write_resolved
+
+from dflash_trt.engines import load_engine
+from dflash_trt.engines.base import SamplingParams, collect
+from dflash_trt.engines.compile import run_compile_stage
+from dflash_trt.engines.spec import EngineSpec
+from dflash_trt.errors import DflashTrtError
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny recipe with resolved + quantized (unquantized copies) checkpoints on disk."""
+    root = tmp_path_factory.mktemp("compile")
+    write_resolved(root / "tiny" / "resolved")
+    shutil.copytree(root / "tiny" / "resolved", root / "tiny" / "quantized")
+    return root, make_recipe(root, target_format="none", drafter_format="none")
+
+
+def compile_to(recipe, name):
+    ctx = stage_context(recipe, name)
+    info = run_compile_stage(ctx)
+    return ctx.out, info
+
+
+def test_torch_engine_dir_is_self_contained_and_loads(built):
+    root, recipe = built
+    out, info = compile_to(recipe, "engine-a")
+    data = yaml.safe_load((out / "engine.yaml").read_text())
+    assert data["backend"] == "torch" and data["target"] == "target"
+    assert data["drafter"] == "drafter" and data["device"] == "cpu"
+    assert data["block_size"] == 4 and data["max_seq_len"] == 256
+    assert data["defaults"]["max_tokens"] == recipe.triton.max_tokens
+    assert info["smoke"]["tokens"] >= 1
+    quantized = root / "tiny" / "quantized" / "target" / "model.safetensors"
+    assert os.path.samefile(out / "target" / "model.safetensors", quantized)  # hard link
+
+    moved = root / "moved" / "engine"  # relocatable: relative paths only
+    shutil.copytree(out, moved)
+    engine = load_engine(moved)
+    assert engine.block_size == 4 and engine.max_seq_len == 256
+    ids = engine.tokenize("abc")
+    result = collect(engine.stream(ids, SamplingParams(max_new_tokens=5)))
+    assert len(result.token_ids) == 5
+
+
+def test_trtllm_build_path_is_refused_with_the_reason(built):
+    _, recipe = built
+    engine = recipe.engine.model_copy(update={"build_path": "trtllm_build"})
+    with pytest.raises(DflashTrtError, match="removed its trtllm-build"):
+        compile_to(recipe.model_copy(update={"engine": engine}), "engine-b")
+
+
+def test_max_tokens_must_fit_max_seq_len(built):
+    _, recipe = built
+    triton = recipe.triton.model_copy(update={"max_tokens": 256})
+    with pytest.raises(DflashTrtError, match="triton.max_tokens"):
+        compile_to(recipe.model_copy(update={"triton": triton}), "engine-c")
+
+
+def test_tensorrt_llm_writes_options_without_loading(built):
+    _, recipe = built
+    gpu = recipe.model_copy(update={
+        "hardware": "sm100",
+        "engine": recipe.engine.model_copy(update={"backend": "tensorrt_llm", "device": "auto"})})
+    out, info = compile_to(gpu, "engine-d")
+    spec = EngineSpec.read(out)
+    assert spec.backend == "tensorrt_llm" and spec.device == "cuda"
+    options = yaml.safe_load((out / "llm_api_options.yaml").read_text())
+    assert options["speculative_config"]["decoding_type"] == "DFlash"
+    assert options["speculative_config"]["max_draft_len"] == 3
+    assert options["speculative_config"]["speculative_model"] == "drafter"  # relative
+    assert "smoke" not in info
+
+
+def test_loader_refuses_paths_outside_the_engine_tree(tmp_path):
+    engine = tmp_path / "a" / "engine"
+    engine.mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    EngineSpec(backend="torch", target="../../outside", drafter=None, dtype="float32",
+               device="cpu", block_size=1, max_batch_size=1, max_seq_len=64,
+               chat_template=False).write(engine)
+    with pytest.raises(DflashTrtError, match="outside"):
+        load_engine(engine)
+
+
+def test_engine_yaml_with_unknown_keys_is_refused(tmp_path):
+    (tmp_path / "engine.yaml").write_text("backend: torch\ntarget: t\nbogus: 1\n")
+    with pytest.raises(DflashTrtError, match="bogus"):
+        EngineSpec.read(tmp_path)
+    with pytest.raises(DflashTrtError, match="missing"):
+        EngineSpec.read(tmp_path / "nowhere")

@@ -1,0 +1,91 @@
+"""Request validation of the Triton model (dflash_trt.serving), without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_trt.engines.base import StepOutput
+from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
+from dflash_trt.serving import BadRequest, Totals, output_arrays, parse_request
+
+SPEC = EngineSpec(backend="torch", target="target", drafter="drafter", dtype="float32",
+                  device="cpu", block_size=4, max_batch_size=1, max_seq_len=64,
+                  chat_template=False, defaults=SamplingDefaults(max_tokens=16))
+
+
+def parse(decoupled=True, **inputs):
+    arrays = {k: (v if isinstance(v, np.ndarray) else np.array([v])) for k, v in inputs.items()}
+    return parse_request(arrays, spec=SPEC, tokenize=lambda text: list(text.encode()),
+                         max_seq_len=SPEC.max_seq_len, block_size=SPEC.block_size,
+                         decoupled=decoupled)
+
+
+def text(s):
+    return np.array([s.encode() if isinstance(s, str) else s], dtype=object)
+
+
+def test_defaults_come_from_engine_yaml():
+    req = parse(text_input=text("hi"))
+    assert req.prompt_ids == [104, 105]
+    assert req.params.max_new_tokens == 16 and req.params.temperature == 0.0
+    assert req.params.num_draft_tokens is None and not req.stream
+
+
+def test_request_values_are_used():
+    req = parse(text_input=text("hi"), max_tokens=np.array([5], np.int32),
+                temperature=np.array([0.7], np.float32), top_k=np.array([3], np.int32),
+                top_p=np.array([0.5], np.float32), seed=np.array([2**63], np.uint64),
+                stream=np.array([True]), num_draft_tokens=np.array([0], np.int32),
+                stop_words=np.array([b"ab", b"", b"c"], dtype=object))
+    p = req.params
+    assert (p.max_new_tokens, p.top_k, p.seed, p.num_draft_tokens) == (5, 3, 2**63, 0)
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.5)
+    assert p.stop_words == ("ab", "c") and req.stream
+
+
+def test_max_tokens_is_clamped_to_the_room_left():
+    req = parse(text_input=text("x" * 60), max_tokens=np.array([20], np.int32))
+    assert req.params.max_new_tokens == 4
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({}, "text_input"),
+    ({"text_input": text("")}, "text_input"),
+    ({"text_input": text("   ")}, "text_input"),
+    ({"text_input": text(b"\xff\xfe")}, "text_input"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, "text_input"),
+    ({"text_input": text("x" * 64)}, "text_input"),
+    ({"text_input": text("hi"), "max_tokens": np.array([-1], np.int32)}, "max_tokens"),
+    ({"text_input": text("hi"), "max_tokens": np.array([0], np.int32)}, "max_tokens"),
+    ({"text_input": text("hi"), "max_tokens": np.array([10**6], np.int32)}, "max_tokens"),
+    ({"text_input": text("hi"), "temperature": np.array([-0.1], np.float32)}, "temperature"),
+    ({"text_input": text("hi"), "temperature": np.array([np.nan], np.float32)}, "temperature"),
+    ({"text_input": text("hi"), "top_p": np.array([0.0], np.float32)}, "top_p"),
+    ({"text_input": text("hi"), "top_k": np.array([-2], np.int32)}, "top_k"),
+    ({"text_input": text("hi"), "num_draft_tokens": np.array([4], np.int32)}, "num_draft_tokens"),
+    ({"text_input": text("hi"), "num_draft_tokens": np.array([-1], np.int32)}, "num_draft_tokens"),
+    ({"text_input": text("hi"), "stop_words": np.array([b"\xff"], dtype=object)}, "stop_words"),
+    ({"text_input": text("hi"), "max_tokens": np.array([1, 2], np.int32)}, "max_tokens"),
+])
+def test_bad_requests_name_the_field(inputs, field):
+    with pytest.raises(BadRequest, match=rf"^{field}:"):
+        parse(**inputs)
+
+
+def test_stream_needs_a_decoupled_model():
+    with pytest.raises(BadRequest, match=r"^stream:"):
+        parse(decoupled=False, text_input=text("hi"), stream=np.array([True]))
+
+
+def test_totals_and_outputs():
+    totals = Totals()
+    totals.add(StepOutput((1, 2, 3), "abc", 3, 2))
+    totals.add(StepOutput((4,), "d", 3, 0, finished=True, finish_reason="length"))
+    assert totals.text == "abcd" and totals.token_ids == [1, 2, 3, 4]
+    assert totals.acceptance_length == 2.0
+    out = output_arrays("d", [4], totals)
+    assert out["text_output"].tolist() == [b"d"] and out["output_token_ids"].dtype == np.int32
+    assert out["total_draft_tokens"].tolist() == [6]
+    assert out["total_accepted_draft_tokens"].tolist() == [2]
+    assert out["acceptance_length"].dtype == np.float32

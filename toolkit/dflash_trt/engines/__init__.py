@@ -1,0 +1,27 @@
+"""Engines: the protocol (base.py), the torch engine, the TensorRT-LLM adapter, and the loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_trt.engines.base import Engine
+from dflash_trt.engines.spec import EngineSpec
+
+
+def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
+    """Build the engine an `engine/` directory describes (engine.yaml picks the backend).
+
+    `device` overrides engine.yaml's device (the Triton model passes the instance's GPU).
+    """
+    engine_dir = Path(engine_dir)
+    spec = EngineSpec.read(engine_dir)
+    if spec.backend == "tensorrt_llm":
+        from dflash_trt.engines.tensorrt_llm import TrtllmEngine  # needs tensorrt_llm at load
+
+        return TrtllmEngine.from_engine_dir(engine_dir)
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    return TorchEngine.load(spec.checkpoint(engine_dir, "target"),
+                            spec.checkpoint(engine_dir, "drafter"),
+                            device=device or spec.device, dtype=spec.dtype,
+                            block_size=spec.block_size, max_seq_len=spec.max_seq_len)

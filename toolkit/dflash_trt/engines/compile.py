@@ -1,0 +1,132 @@
+"""The compile stage: turn the quantized checkpoints into a self-contained `engine/` directory.
+
+engine/
+  engine.yaml            backend, checkpoint paths (relative), dtype, device, sizes, defaults
+  target/, drafter/      the quantized checkpoints (hard links when possible, else copies)
+  llm_api_options.yaml   tensorrt_llm only: TensorRT-LLM LLM API / `trtllm-serve --config` options
+
+The torch backend is loaded and runs a few tokens here, so a broken artifact fails the build rather
+than the server. The tensorrt_llm backend is not loaded: TensorRT-LLM runs on the serving GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
+from dflash_trt.errors import DflashTrtError
+
+SMOKE_PROMPT = "Hello"
+SMOKE_TOKENS = 4
+TRTLLM_BUILD_REMOVED = (
+    "engine.build_path: trtllm_build is not available: TensorRT-LLM removed its trtllm-build "
+    "engine path in 2026 and its C++ runtime never had a DFlash speculative mode; use "
+    "engine.build_path: llm_api (TensorRT-LLM's PyTorch backend with DFlashDecodingConfig)")
+
+
+def link_or_copy_tree(src: Path, dst: Path) -> str:
+    """Replicate a directory with hard links (same filesystem) or copies; return which."""
+    how = "hardlink"
+
+    def link_or_copy(s: str, d: str) -> None:
+        nonlocal how
+        try:
+            os.link(s, d)
+        except OSError:  # another filesystem, or links not allowed
+            how = "copy"
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, copy_function=link_or_copy, symlinks=False)
+    return how
+
+
+def resolve_device(device: str, hardware: str) -> str:
+    """engine.device `auto` means cuda on GPU hardware, cpu on `cpu`."""
+    if device != "auto":
+        return device
+    return "cpu" if hardware == "cpu" else "cuda"
+
+
+def run_compile_stage(ctx) -> dict:
+    """Write ctx.out/engine.yaml and the checkpoints it names; smoke-test the torch engine."""
+    recipe = ctx.recipe
+    engine = recipe.engine
+    if engine.build_path == "trtllm_build":
+        raise DflashTrtError(TRTLLM_BUILD_REMOVED)
+    if recipe.triton.max_tokens >= engine.max_seq_len:
+        raise DflashTrtError(f"triton.max_tokens ({recipe.triton.max_tokens}) must be below "
+                             f"engine.max_seq_len ({engine.max_seq_len}); lower it")
+    quantized = ctx.stage_dir("quantize")
+    if not (quantized / "target").is_dir():
+        raise DflashTrtError(f"{quantized / 'target'} is missing; run the quantize stage first "
+                             "(`dflash-trt build RECIPE`)")
+
+    info: dict = {}
+    with ctx.progress("compile: linking checkpoints", total=2) as task:
+        info["target"] = link_or_copy_tree(quantized / "target", ctx.out / "target")
+        task.advance()
+        has_drafter = (quantized / "drafter").is_dir()
+        if has_drafter:
+            info["drafter"] = link_or_copy_tree(quantized / "drafter", ctx.out / "drafter")
+        task.advance()
+
+    spec = EngineSpec(
+        backend=engine.backend,
+        target="target",
+        drafter="drafter" if has_drafter else None,
+        dtype=engine.dtype or recipe.target.dtype,
+        device=resolve_device(engine.device, recipe.hardware),
+        block_size=recipe.drafter.block_size if has_drafter else 1,
+        max_batch_size=engine.max_batch_size,
+        max_seq_len=engine.max_seq_len,
+        chat_template=recipe.target.chat_template,
+        defaults=SamplingDefaults(max_tokens=recipe.triton.max_tokens),
+    )
+    spec.write(ctx.out)
+    info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,
+                block_size=spec.block_size)
+
+    if spec.backend == "tensorrt_llm":
+        if not has_drafter:
+            raise DflashTrtError("engine.backend: tensorrt_llm needs a DFlash drafter; set "
+                                 "drafter.source or drafter.init")
+        info["llm_api_options"] = str(_write_trtllm_options(recipe, ctx.out))
+    else:
+        with ctx.progress("compile: smoke generation", total=None):
+            info["smoke"] = smoke_test(ctx.out, spec)
+    return info
+
+
+def _write_trtllm_options(recipe, engine_dir: Path) -> Path:
+    try:
+        from dflash_trt.engines.trtllm_options import llm_api_options, write_llm_api_options
+    except ImportError as exc:
+        raise DflashTrtError(f"the TensorRT-LLM option mapping is unavailable ({exc}); "
+                             "reinstall dflash-trt") from exc
+    options = llm_api_options(recipe, engine_dir / "target", engine_dir / "drafter",
+                              engine_dir=engine_dir)
+    return write_llm_api_options(options, engine_dir).relative_to(engine_dir)
+
+
+def smoke_test(engine_dir: Path, spec: EngineSpec) -> dict:
+    """Load the torch engine from engine_dir and generate a few greedy tokens."""
+    import torch
+
+    from dflash_trt.engines import load_engine
+    from dflash_trt.engines.base import SamplingParams, collect
+
+    # A GPU recipe may be built on a machine without one; the artifact is the same either way.
+    device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    engine = load_engine(engine_dir, device=device)
+    ids = engine.tokenize(SMOKE_PROMPT, chat=False)
+    result = collect(engine.stream(ids, SamplingParams(max_new_tokens=SMOKE_TOKENS)))
+    if not result.token_ids:
+        raise DflashTrtError(f"the engine in {engine_dir} produced no tokens for a smoke prompt; "
+                             "check the verify report")
+    return {"device": device, "tokens": len(result.token_ids),
+            "acceptance_length": round(result.acceptance_length, 3),
+            "seconds": round(time.perf_counter() - start, 2)}

@@ -1,0 +1,159 @@
+"""What the Triton model does with a request, without Triton: validate inputs, build outputs.
+
+`triton_repo/dflash/1/model.py` is the thin Python-backend glue around this module, so the request
+contract (design.md, "The Triton model") is unit-tested without a server. Every bad request raises
+BadRequest whose message starts with the offending input's name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_trt.engines.base import SamplingParams, StepOutput
+from dflash_trt.engines.spec import EngineSpec
+
+INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed",
+          "stop_words", "num_draft_tokens")
+UINT64_MAX = 2**64 - 1
+
+
+class BadRequest(Exception):
+    """A request the model refuses; the message names the input (`field: what is wrong`)."""
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A validated request, ready for Engine.stream."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+def _scalar(inputs: Mapping[str, np.ndarray | None], name: str):
+    array = inputs.get(name)
+    if array is None:
+        return None
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise BadRequest(f"{name}: expected one value per request, got {flat.size}")
+    return flat[0].item() if hasattr(flat[0], "item") else flat[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"{name}: not valid UTF-8 (byte {exc.start}); send UTF-8 text") from None
+
+
+def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
+                  tokenize: Callable[[str], list[int]], max_seq_len: int, block_size: int,
+                  decoupled: bool) -> ServeRequest:
+    """Validate the Triton inputs of one request (batch dimension already removed or 1)."""
+    # 1. the prompt
+    array = inputs.get("text_input")
+    if array is None:
+        raise BadRequest("text_input: required input is missing")
+    flat = np.asarray(array, dtype=object).reshape(-1)
+    if flat.size != 1:
+        raise BadRequest(f"text_input: expected one prompt per request, got {flat.size}; send "
+                         "prompts as separate requests")
+    prompt = _text(flat[0], "text_input")
+    if not prompt.strip():
+        raise BadRequest("text_input: the prompt is empty")
+
+    # 2. sampling parameters, each checked against its own limits
+    stream = bool(_scalar(inputs, "stream") or False)
+    if stream and not decoupled:
+        raise BadRequest("stream: streaming needs a decoupled model; emit the repository with "
+                         "triton.decoupled: true or send stream=false")
+    max_tokens = _scalar(inputs, "max_tokens")
+    max_tokens = spec.defaults.max_tokens if max_tokens is None else int(max_tokens)
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens: must be >= 1, got {max_tokens}")
+    if max_tokens >= max_seq_len:
+        raise BadRequest(f"max_tokens: {max_tokens} does not fit max_seq_len {max_seq_len} "
+                         "(prompt plus output); ask for fewer tokens")
+    temperature = _float(inputs, "temperature", spec.defaults.temperature)
+    if temperature < 0:
+        raise BadRequest(f"temperature: must be >= 0 (0 = greedy), got {temperature}")
+    top_p = _float(inputs, "top_p", spec.defaults.top_p)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p: must be in (0, 1], got {top_p}")
+    top_k = _scalar(inputs, "top_k")
+    top_k = spec.defaults.top_k if top_k is None else int(top_k)
+    if top_k < 0:
+        raise BadRequest(f"top_k: must be >= 0 (0 = off), got {top_k}")
+    seed = _scalar(inputs, "seed")
+    if seed is not None and not 0 <= int(seed) <= UINT64_MAX:
+        raise BadRequest(f"seed: must be an unsigned 64-bit integer, got {seed}")
+    num_draft = _scalar(inputs, "num_draft_tokens")
+    if num_draft is not None:
+        num_draft = int(num_draft)
+        if not 0 <= num_draft <= block_size - 1:
+            raise BadRequest(f"num_draft_tokens: must be in [0, {block_size - 1}] "
+                             f"(block_size - 1; 0 = no speculation), got {num_draft}")
+    stop = inputs.get("stop_words")
+    stop_words = () if stop is None else tuple(
+        w for w in (_text(v, "stop_words") for v in np.asarray(stop, dtype=object).reshape(-1)) if w)
+
+    # 3. the prompt must leave room for at least one new token
+    prompt_ids = tokenize(prompt)
+    if len(prompt_ids) >= max_seq_len:
+        raise BadRequest(f"text_input: the prompt is {len(prompt_ids)} tokens, max_seq_len is "
+                         f"{max_seq_len}; shorten it")
+    params = SamplingParams(
+        max_new_tokens=min(max_tokens, max_seq_len - len(prompt_ids)),
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=None if seed is None else int(seed), stop_words=stop_words,
+        num_draft_tokens=num_draft)
+    return ServeRequest(prompt_ids=prompt_ids, params=params, stream=stream)
+
+
+def _float(inputs, name: str, default: float) -> float:
+    value = _scalar(inputs, name)
+    value = default if value is None else float(value)
+    if math.isnan(value):
+        raise BadRequest(f"{name}: must be a number, got NaN")
+    return value
+
+
+@dataclass
+class Totals:
+    """Running statistics of one response (what the final output tensors report)."""
+
+    text: str = ""
+    token_ids: list[int] | None = None
+    forwards: int = 0  # target forwards that produced tokens
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    def add(self, step: StepOutput) -> None:
+        self.text += step.text
+        self.token_ids = (self.token_ids or []) + list(step.token_ids)
+        self.forwards += 1 if step.token_ids else 0
+        self.draft_tokens += step.num_draft_tokens
+        self.accepted_draft_tokens += step.num_accepted_draft_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per target forward so far."""
+        return len(self.token_ids or []) / self.forwards if self.forwards else 0.0
+
+
+def output_arrays(text: str, token_ids: list[int], totals: Totals) -> dict[str, np.ndarray]:
+    """The model's output tensors (no batch dimension): this response's text/ids, running stats."""
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_token_ids": np.array(token_ids, dtype=np.int32),
+        "total_draft_tokens": np.array([totals.draft_tokens], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([totals.accepted_draft_tokens], dtype=np.int32),
+        "acceptance_length": np.array([totals.acceptance_length], dtype=np.float32),
+    }

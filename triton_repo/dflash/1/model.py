@@ -1,0 +1,204 @@
+"""DFlash speculative decoding as a Triton Python-backend model (emitted by dflash-trt).
+
+The engine comes from `engine/` next to this file (engine.yaml picks torch or tensorrt_llm). With the
+decoupled transaction policy each request runs on a worker thread and streams one response per
+target forward (new text only); without it, or with stream=false, one response carries everything.
+Request validation lives in dflash_trt.serving so it is unit-tested without a server.
+"""
+
+import json
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from dflash_trt.engines import load_engine
+from dflash_trt.engines.spec import EngineSpec
+from dflash_trt.errors import DflashTrtError
+from dflash_trt.serving import INPUTS, BadRequest, Totals, output_arrays, parse_request
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_DIR = Path(__file__).resolve().parent / "engine"
+MIN_WORKERS = 8  # requests beyond the engine's batch wait in the engine, not in Triton
+
+
+class Metrics:
+    """Acceptance counters on Triton's /metrics endpoint (when the backend supports them)."""
+
+    def __init__(self, model: str, version: str):
+        self.enabled = hasattr(pb_utils, "MetricFamily")
+        if not self.enabled:
+            return
+        labels = {"model": model, "version": version}
+
+        def counter(name, description, **extra):
+            family = pb_utils.MetricFamily(name=name, description=description,
+                                           kind=pb_utils.MetricFamily.COUNTER)
+            return family, family.Metric(labels={**labels, **extra})
+
+        # Keep the families alive: a Metric must not outlive its family.
+        self._families = []
+        metrics = {}
+        for key, name, description in (
+            ("tokens", "dflash_output_tokens_total", "Tokens generated"),
+            ("forwards", "dflash_target_forwards_total", "Target forward passes that emitted tokens"),
+            ("draft", "dflash_draft_tokens_total", "Tokens proposed by the drafter"),
+            ("accepted", "dflash_accepted_draft_tokens_total", "Draft tokens the target accepted"),
+        ):
+            family, metric = counter(name, description)
+            self._families.append(family)
+            metrics[key] = metric
+        family = pb_utils.MetricFamily(name="dflash_requests_total",
+                                       description="Requests by outcome",
+                                       kind=pb_utils.MetricFamily.COUNTER)
+        self._families.append(family)
+        for outcome in ("success", "error", "cancelled"):
+            metrics[outcome] = family.Metric(labels={**labels, "outcome": outcome})
+        self._metrics = metrics
+
+    def record(self, outcome: str, totals: Totals | None = None) -> None:
+        if not self.enabled:
+            return
+        self._metrics[outcome].increment(1)
+        if totals is not None:
+            self._metrics["tokens"].increment(len(totals.token_ids or []))
+            self._metrics["forwards"].increment(totals.forwards)
+            self._metrics["draft"].increment(totals.draft_tokens)
+            self._metrics["accepted"].increment(totals.accepted_draft_tokens)
+
+
+class TritonPythonModel:
+    """Triton's entry points: initialize, execute, finalize."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.batched = config.get("max_batch_size", 0) > 0
+        device = None
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.spec = EngineSpec.read(ENGINE_DIR)
+        self.engine = load_engine(ENGINE_DIR, device=device)
+        self.metrics = Metrics(args["model_name"], args["model_version"])
+        self.pool = ThreadPoolExecutor(max_workers=max(MIN_WORKERS, self.spec.max_batch_size),
+                                       thread_name_prefix="dflash")
+        self.closing = threading.Event()
+        pb_utils.Logger.log_info(f"dflash: {self.spec.backend} engine from {ENGINE_DIR}, "
+                                 f"block_size {self.engine.block_size}, decoupled {self.decoupled}")
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self.pool.submit(self._serve_decoupled, request)
+            return None
+        # Not decoupled: one response per request, returned in order.
+        futures = [self.pool.submit(self._single_response, r) for r in requests]
+        return [f.result() for f in futures]
+
+    def finalize(self):
+        self.closing.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    # --- one request ------------------------------------------------------------------------
+
+    def _parse(self, request):
+        inputs = {}
+        for name in INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                array = tensor.as_numpy()
+                if self.batched:
+                    if array.shape[0] != 1:
+                        raise BadRequest(f"{name}: batch size {array.shape[0]} is not supported; "
+                                         "send one prompt per request")
+                    array = array[0]
+                inputs[name] = array
+        return parse_request(
+            inputs, spec=self.spec, max_seq_len=self.engine.max_seq_len,
+            block_size=self.engine.block_size, decoupled=self.decoupled,
+            tokenize=lambda text: self.engine.tokenize(text, chat=self.spec.chat_template))
+
+    def _response(self, text, token_ids, totals):
+        tensors = []
+        for name, array in output_arrays(text, token_ids, totals).items():
+            tensors.append(pb_utils.Tensor(name, array[None, ...] if self.batched else array))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _responses(self, request):
+        """Yield (response, is_final); ends early when the client cancels."""
+        is_cancelled = getattr(request, "is_cancelled", lambda: False)
+        try:
+            req = self._parse(request)
+        except BadRequest as exc:
+            self.metrics.record("error")
+            yield _error(str(exc)), True
+            return
+        if is_cancelled():
+            self.metrics.record("cancelled")
+            return
+        totals = Totals()
+        finished = False
+        steps = self.engine.stream(req.prompt_ids, req.params)
+        outcome = "error"
+        try:
+            for step in steps:
+                if is_cancelled() or self.closing.is_set():
+                    outcome = "cancelled"
+                    return
+                totals.add(step)
+                if req.stream:
+                    yield self._response(step.text, list(step.token_ids), totals), step.finished
+                finished = step.finished
+                if finished:
+                    break
+            if not req.stream:
+                yield self._response(totals.text, totals.token_ids or [], totals), True
+            elif not finished:  # the engine ended without a final step: close the stream
+                yield None, True
+            outcome = "success"
+        except DflashTrtError as exc:
+            yield _error(exc.message), True
+        finally:
+            steps.close()  # frees the engine (and its lock) when the client went away
+            if outcome == "error" and is_cancelled():
+                outcome = "cancelled"  # the client left while a response was being sent
+            self.metrics.record(outcome, totals)
+
+    def _serve_decoupled(self, request):
+        sender = request.get_response_sender()
+        final_sent = False
+        try:
+            for response, final in self._responses(request):
+                if response is None:
+                    sender.send(flags=FINAL)
+                else:
+                    sender.send(response, flags=FINAL if final else 0)
+                final_sent = final
+        except Exception as exc:  # noqa: BLE001 - report it to the client, keep serving
+            if getattr(request, "is_cancelled", lambda: False)():
+                return  # the client is gone; nobody to tell
+            pb_utils.Logger.log_error(f"dflash: request failed: {traceback.format_exc()}")
+            if not final_sent:
+                sender.send(_error(f"internal error: {exc}"), flags=FINAL)
+                final_sent = True
+        if not final_sent:  # cancelled: close the stream without a response
+            sender.send(flags=FINAL)
+
+    def _single_response(self, request):
+        try:
+            last = None
+            for response, _ in self._responses(request):
+                last = response
+            return last if last is not None else _error("request cancelled")
+        except Exception as exc:  # noqa: BLE001
+            pb_utils.Logger.log_error(f"dflash: request failed: {traceback.format_exc()}")
+            return _error(f"internal error: {exc}")
+
+
+def _error(message):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
