@@ -6,8 +6,8 @@
   1/model.py            the Python-backend model (a verbatim copy)
   1/engine/             the compiled engine directory (copied, or hard-linked)
 
-The templates ship inside the package (dflash_trt/data/triton_repo, a copy of the checkout's
-triton_repo/ kept identical by a unit test), so an installed dflash-trt emits from any directory.
+The templates ship inside the package (dflash_trt/data/triton_repo; the checkout's
+triton_repo/ is a link to it), so an installed dflash-trt emits from any directory.
 """
 
 from __future__ import annotations
