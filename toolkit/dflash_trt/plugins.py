@@ -1,8 +1,8 @@
 """Finds and imports the speculative-decoding plugins that live outside the Python package.
 
-The DFlash ops live in `plugins/dflash/` (reference, Triton kernels, tolerances). In a checkout
-(editable install) they are found relative to this file; in a wheel they ship as package data
-under `dflash_trt/data/plugins/dflash`. Either way they are imported once, under a fixed module
+The DFlash ops live in `plugins/dflash/` (reference, Triton kernels, tolerances), a link to the
+package data `dflash_trt/data/plugins/dflash`, so a wheel ships them and a checkout edits them
+in place. Either way they are imported once, under a fixed module
 name, because importing them registers `torch.ops.dflash.*` and torch.library refuses a second
 registration.
 """
@@ -20,15 +20,10 @@ DFLASH_MODULE = "dflash_trt_plugin_dflash"
 
 
 def dflash_plugin_dir() -> Path:
-    """The plugins/dflash folder: the checkout's if present, else the installed package data."""
-    package_dir = Path(__file__).resolve().parent
-    candidates = (
-        package_dir.parents[1] / "plugins" / "dflash",  # checkout: <root>/toolkit/dflash_trt/
-        package_dir / "data" / "plugins" / "dflash",  # wheel: package data
-    )
-    for candidate in candidates:
-        if (candidate / "__init__.py").is_file():
-            return candidate
+    """The plugins/dflash folder (package data; the checkout's plugins/dflash links to it)."""
+    candidate = Path(__file__).resolve().parent / "data" / "plugins" / "dflash"
+    if (candidate / "__init__.py").is_file():
+        return candidate
     raise DflashTrtError(
         "the DFlash plugin (plugins/dflash) is missing from this installation; reinstall "
         "dflash-trt, or run from a checkout that has plugins/dflash/"
