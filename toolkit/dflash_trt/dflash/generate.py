@@ -1,0 +1,189 @@
+"""DFlash speculative decoding, batch size 1: draft a block in one pass, verify it in one pass.
+
+The target is anything with `new_cache()`, `embed(ids)`, `forward(ids, cache, capture)` returning
+(final hidden, layer features | None), and `logits(hidden)` (see dflash.target.HFTarget). The
+drafter is a DFlashDraftModel (or any module with the same call, `new_cache()`, `mask_token_id`).
+Caches expose `crop(length)`.
+
+Invariant: at temperature 0 the tokens equal the target's own greedy tokens; at temperature > 0
+they are a sample from the target's (temperature/top-k/top-p processed) distribution.
+With no drafter, or num_draft_tokens == 0, every step is one plain target decoding step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.dflash.sampling import Sampler
+
+
+@dataclass
+class Step:
+    """What one target forward produced."""
+
+    token_ids: list[int]  # new tokens: accepted drafts plus the target's own token
+    num_draft_tokens: int  # drafts verified in this step
+    num_accepted_draft_tokens: int
+    finish_reason: str | None = None  # "length" | "eos" when this is the last step
+
+
+@dataclass
+class GenerationStats:
+    """Counts over a whole generation."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens per decoding forward
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 0.0
+
+
+class _LazyLogits:
+    """Verify logits, computed on first use: a rejected first draft costs one LM-head row."""
+
+    def __init__(self, target, hidden: torch.Tensor):
+        self.target, self.hidden = target, hidden[0]  # (T, H)
+        self.rows: torch.Tensor | None = None  # (T, V) once all are computed
+        self.first: torch.Tensor | None = None  # (V,)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 0 and self.rows is None:
+            if self.first is None:
+                self.first = self.target.logits(self.hidden[0])  # (V,)
+            return self.first
+        if self.rows is None:
+            rest = self.target.logits(self.hidden[1:])  # (T-1, V)
+            self.rows = torch.cat([self.first[None], rest]) if self.first is not None \
+                else self.target.logits(self.hidden)
+        return self.rows[i]
+
+
+def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start: int,
+                block_size: int, k: int, sampler: Sampler):
+    """Propose k tokens after `token` (at position `start`) in one drafter pass.
+
+    context: (1, C, k*H) target features of positions start-C .. start-1, not yet in the cache.
+    Returns the drafts and their distribution q (k, V), or None when drafting greedily.
+    """
+    # The block is always full width: a drafter trained on block_size positions sees the same shape.
+    block = torch.full((1, block_size), drafter.mask_token_id, dtype=torch.long,
+                       device=target.device)  # (1, B)
+    block[0, 0] = token
+    hidden = drafter(target.embed(block), context, cache)  # (1, B, H)
+    cache.crop(start)  # keep the injected context, drop the block's own keys
+    logits = target.logits(hidden[0, 1:k + 1])  # (k, V): only the drafts we will verify
+    if sampler.greedy:
+        return logits.argmax(dim=-1).tolist(), None
+    q = sampler.probs(logits)  # (k, V)
+    return sampler.draw(q).tolist(), q
+
+
+def accept_greedy(logits: _LazyLogits, drafts: list[int]) -> tuple[int, int]:
+    """Longest prefix of drafts equal to the target's argmax, plus the target's next token."""
+    n = 0
+    while True:
+        choice = int(logits[n].argmax())
+        if n == len(drafts) or drafts[n] != choice:
+            return n, choice
+        n += 1
+
+
+def accept_sampled(logits: _LazyLogits, drafts: list[int], q: torch.Tensor | None,
+                   sampler: Sampler) -> tuple[int, int]:
+    """Speculative rejection sampling: accept d with prob min(1, p(d)/q(d)), else resample."""
+    for i, d in enumerate(drafts):
+        p = sampler.probs(logits[i])  # (V,)
+        if sampler.uniform() * q[i, d] < p[d]:  # u < p/q without dividing by a tiny q
+            continue
+        residual = (p - q[i]).clamp_min(0)  # (V,): the mass q over-proposed is taken back
+        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is exact
+            residual = p
+        return i, int(sampler.draw((residual / residual.sum())[None])[0])
+    return len(drafts), int(sampler.draw(sampler.probs(logits[len(drafts)])[None])[0])
+
+
+@torch.inference_mode()
+def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                   block_size: int, num_draft_tokens: int | None = None,
+                   stop_token_ids: Sequence[int] = (),
+                   sampler: Sampler | None = None) -> Iterator[Step]:
+    """Yield one Step per target forward until max_new_tokens or a stop token."""
+    sampler = sampler or Sampler()
+    draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
+    if num_draft_tokens is not None:
+        draft_len = max(0, min(draft_len, num_draft_tokens))
+    stops = set(stop_token_ids)
+    if max_new_tokens <= 0:
+        return
+    device = target.device
+    capture = draft_len > 0  # plain decoding needs no features
+
+    # 1. Prefill: the prompt through the target; the first new token comes from its last position.
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, P)
+    target_cache = target.new_cache()
+    hidden, context = target.forward(prompt, target_cache, capture)  # (1, P, H), (1, P, k*H)
+    token = int(sampler.sample(target.logits(hidden[:, -1]))[0])
+    generated = 1
+    finish = "eos" if token in stops else "length" if generated >= max_new_tokens else None
+    yield Step([token], 0, 0, finish)
+    draft_cache = drafter.new_cache() if capture else None
+    start = len(prompt_ids)  # position of `token`: the newest token, not yet in the target cache
+
+    while finish is None:
+        # 2. Draft k tokens after `token`; never more than fit in max_new_tokens with the bonus.
+        k = min(draft_len, max_new_tokens - generated - 1)
+        drafts, q = [], None
+        if k > 0:
+            drafts, q = draft_block(target, drafter, token, context, draft_cache, start,
+                                    block_size, k, sampler)
+            context = None  # now in the drafter's cache
+
+        # 3. Verify [token, d1..dk] at positions start..start+k in one target pass.
+        verify_ids = torch.tensor([[token, *drafts]], dtype=torch.long, device=device)  # (1, k+1)
+        hidden, features = target.forward(verify_ids, target_cache, capture)  # (1, k+1, H)
+
+        # 4. Accept a prefix of the drafts plus one token from the target.
+        logits = _LazyLogits(target, hidden)
+        if sampler.greedy:
+            n, bonus = accept_greedy(logits, drafts)
+        else:
+            n, bonus = accept_sampled(logits, drafts, q, sampler)
+        new_tokens = [*drafts[:n], bonus]
+
+        # 5. Crop caches to the accepted tokens; their features become the drafter's new context.
+        target_cache.crop(start + n + 1)  # holds positions 0 .. start+n (token, d1..dn)
+        if capture:
+            accepted = features[:, :n + 1]  # (1, n+1, k*H)
+            context = accepted if context is None else torch.cat([context, accepted], dim=1)
+        start += n + 1
+        token = bonus
+
+        # 6. Stop at the first stop token or at max_new_tokens.
+        hit = next((i for i, t in enumerate(new_tokens) if t in stops), None)
+        if hit is not None:
+            new_tokens, finish = new_tokens[:hit + 1], "eos"
+        generated += len(new_tokens)
+        if finish is None and generated >= max_new_tokens:
+            finish = "length"
+        yield Step(new_tokens, len(drafts), n, finish)
+
+
+def generate(target, drafter, prompt_ids: Sequence[int], **kwargs) -> tuple[list[int], GenerationStats]:
+    """Run generate_steps to the end: the new token ids and their stats."""
+    tokens: list[int] = []
+    stats = GenerationStats()
+    for i, step in enumerate(generate_steps(target, drafter, prompt_ids, **kwargs)):
+        tokens.extend(step.token_ids)
+        if i > 0:  # as the reference: the prefill's token is not a decoding step
+            stats.acceptance_lengths.append(len(step.token_ids))
+        stats.num_draft_tokens += step.num_draft_tokens
+        stats.num_accepted_draft_tokens += step.num_accepted_draft_tokens
+        stats.finish_reason = step.finish_reason
+    return tokens, stats

@@ -1,0 +1,63 @@
+"""The target model as generation sees it: forward with a KV cache, chosen layer features, logits.
+
+Wraps a Hugging Face causal LM (Llama/Qwen family: `model.model.layers`, `embed_tokens`, `lm_head`).
+Only the layers the drafter reads are captured (forward hooks), and the LM head runs outside the
+forward, so the caller computes logits only for the positions it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class HFTarget:
+    """A Hugging Face causal LM, with the outputs of `layer_ids` captured on request."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None):
+        self.model = model
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.layer_ids = list(layer_ids or [])
+        self._captured: dict[int, torch.Tensor] | None = None
+        layers = self.base.layers
+        for layer_id in self.layer_ids:
+            layers[layer_id].register_forward_hook(self._hook(layer_id))
+
+    def _hook(self, layer_id: int):
+        def keep_output(_module, _args, output):
+            if self._captured is not None:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return keep_output
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)  # (B, T) -> (B, T, H)
+
+    def forward(self, ids: torch.Tensor, cache, capture: bool):
+        """Run ids (B, T) after the cache; return final hidden (B, T, H) and features or None.
+
+        Features are the chosen layers' outputs (hidden_states[id + 1]) concatenated: (B, T, k*H).
+        Positions continue from the cache length, which the caller keeps cropped.
+        """
+        self._captured = {} if capture and self.layer_ids else None
+        try:
+            out = self.base(input_ids=ids, past_key_values=cache, use_cache=True)
+        finally:
+            captured, self._captured = self._captured, None
+        features = None
+        if captured is not None:
+            features = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # (B, T, k*H)
+        return out.last_hidden_state, features
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (..., H) -> (..., V)

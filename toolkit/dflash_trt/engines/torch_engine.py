@@ -1,0 +1,217 @@
+"""The torch engine: DFlash speculative decoding over a Hugging Face target, on CPU or CUDA.
+
+It is the reference engine: the one the CLI, the verify stage and the CPU Triton model run, and
+the one other engines are checked against. Requests are served one at a time (a lock), which is
+what batch size 1 speculative decoding does anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from dflash_trt.engines.base import SamplingParams, StepOutput
+from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
+from dflash_trt.errors import DflashTrtError, UsageError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def _pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def _qformats():
+    try:
+        from dflash_trt import qformats
+    except ImportError as exc:
+        raise DflashTrtError("quantized checkpoints are not supported yet by the torch engine; "
+                             "use the unquantized resolve output") from exc
+    return qformats
+
+
+def load_target(target_dir: Path, *, dtype: str, device: str):
+    """The target causal LM: plain HF checkpoint, or a ModelOpt-quantized one via qformats."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (target_dir / "hf_quant_config.json").is_file():
+        return _qformats().load_quantized_target(target_dir, dtype=dtype, device=device)
+    if not (target_dir / "config.json").is_file():
+        raise DflashTrtError(f"{target_dir}: no config.json; expected a resolved target checkpoint")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=_torch_dtype(dtype),
+                                                     attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def load_drafter(drafter_dir: Path, *, dtype: str, device: str):
+    """The DFlash drafter; a quantized one is dequantized to a float state dict by qformats."""
+    from dflash_trt.dflash.drafter import DFlashDraftModel
+
+    config_file = drafter_dir / "config.json"
+    state = None
+    if config_file.is_file() and "quantization_config" in json.loads(config_file.read_text()):
+        state = _qformats().load_quantized_drafter_state(drafter_dir)
+    return DFlashDraftModel.from_pretrained(drafter_dir, state_dict=state,
+                                            dtype=_torch_dtype(dtype), device=device)
+
+
+def _stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config (what HF generate stops on), else the tokenizer's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return [int(i) for i in ids]
+
+
+class TorchEngine:
+    """Engine protocol implementation (see engines/base.py) over dflash.generate."""
+
+    def __init__(self, model, tokenizer, drafter, *, device: str, block_size: int,
+                 max_seq_len: int):
+        from dflash_trt.dflash.target import HFTarget
+
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.device = device
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.target = HFTarget(model, drafter.target_layer_ids if drafter is not None else None)
+        self.stop_token_ids = _stop_token_ids(model, tokenizer)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
+             dtype: str = "float32", block_size: int | None = None,
+             max_seq_len: int = 2048) -> TorchEngine:
+        """Load a target checkpoint (and optionally a drafter) from resolved directories."""
+        from transformers import AutoTokenizer
+
+        device = _pick_device(device)
+        target_dir = Path(target_dir)
+        model = load_target(target_dir, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        drafter = None
+        if drafter_dir is not None:
+            drafter = load_drafter(Path(drafter_dir), dtype=dtype, device=device)
+            _check_pair(model, drafter, drafter_dir)
+        if block_size is None:
+            block_size = drafter.block_size if drafter is not None else 1
+        if block_size < 1:
+            raise UsageError(f"block_size must be >= 1 (got {block_size})")
+        if block_size > 1 and drafter is None:
+            raise UsageError(f"block_size {block_size} needs a drafter; pass a drafter directory "
+                             "or use block_size 1")
+        if max_seq_len < 2:
+            raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
+        return cls(model, tokenizer, drafter, device=device, block_size=block_size,
+                   max_seq_len=max_seq_len)
+
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids for a prompt; with chat=True, a one-turn user message in the chat template."""
+        if not chat:
+            return list(self.tokenizer.encode(prompt))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError("this tokenizer has no chat template; run without chat")
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise UsageError("the prompt is empty; give at least one token")
+        if params.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1 (got {params.max_new_tokens})")
+        if params.temperature < 0:
+            raise UsageError(f"temperature must be >= 0 (got {params.temperature})")
+        if not 0 < params.top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1] (got {params.top_p})")
+        if params.top_k < 0:
+            raise UsageError(f"top_k must be >= 0 (got {params.top_k})")
+        if params.num_draft_tokens is not None and params.num_draft_tokens < 0:
+            raise UsageError(f"num_draft_tokens must be >= 0 (got {params.num_draft_tokens})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_seq_len:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds max_seq_len {self.max_seq_len}")
+        vocab = self.target.embed_tokens.num_embeddings
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise UsageError(f"prompt token ids must be in [0, {vocab})")
+
+    def _sampler(self, params: SamplingParams):
+        import torch
+
+        from dflash_trt.dflash.sampling import Sampler
+
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+        return Sampler(params.temperature, params.top_k, params.top_p, generator)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
+        """One StepOutput per target forward; closing the iterator early stops generation."""
+        from dflash_trt.dflash.generate import generate_steps
+
+        self._check(prompt_ids, params)
+        with self._lock:  # released on normal end, on error, and on generator close()
+            detok = IncrementalDetokenizer(self.tokenizer)
+            stops = StopWordFilter(params.stop_words)
+            steps = generate_steps(self.target, self.drafter, prompt_ids,
+                                   max_new_tokens=params.max_new_tokens,
+                                   block_size=self.block_size,
+                                   num_draft_tokens=params.num_draft_tokens,
+                                   stop_token_ids=self.stop_token_ids,
+                                   sampler=self._sampler(params))
+            try:
+                for step in steps:
+                    text, stopped = stops.push(detok.push(step.token_ids))
+                    finish = "stop" if stopped else step.finish_reason
+                    if finish is not None and not stopped:  # the end: release held-back text
+                        tail, stopped = stops.push(detok.flush())
+                        text += tail if stopped else tail + stops.flush()
+                        finish = "stop" if stopped else finish
+                    yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
+                                     step.num_accepted_draft_tokens, finish is not None, finish)
+                    if finish is not None:
+                        return
+            finally:
+                steps.close()
+
+
+def _check_pair(model, drafter, drafter_dir) -> None:
+    """The drafter must match the target's hidden size and layer count."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if drafter.config.hidden_size != config.hidden_size:
+        raise DflashTrtError(f"{drafter_dir}: drafter hidden_size {drafter.config.hidden_size} != "
+                             f"target hidden_size {config.hidden_size}; use a drafter for this target")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < config.num_hidden_layers]
+    if bad:
+        raise DflashTrtError(f"{drafter_dir}: target_layer_ids {bad} do not exist in a "
+                             f"{config.num_hidden_layers}-layer target")
+    if drafter.mask_token_id is None or not 0 <= drafter.mask_token_id < config.vocab_size:
+        raise DflashTrtError(f"{drafter_dir}: dflash_config.mask_token_id "
+                             f"{drafter.mask_token_id} is not a token of the target")
