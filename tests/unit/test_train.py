@@ -1,0 +1,152 @@
+"""Drafter training: the batched training forward, learning, checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from train_fixtures import greedy_sequences, setup
+
+from dflash_trt.dflash.estimate import estimate_acceptance
+from dflash_trt.dflash.features import OnTheFlyFeatures, build_store
+from dflash_trt.dflash.train import (
+    CheckpointSaved,
+    StepStats,
+    TrainConfig,
+    Trainer,
+    draft_hidden,
+    lr_factor,
+    sample_anchors,
+)
+from dflash_trt.errors import DflashTrtError
+
+CONFIG = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=4, block_size=4,
+                     anchors_per_seq=8, gamma=4.0, seed=0, checkpoint_every=0, eval_every=0)
+
+
+def _trainer(tmp_path, config=CONFIG, data=None, **kwargs):
+    torch.manual_seed(0)
+    model, target, drafter = setup(block_size=config.block_size)
+    data = data or OnTheFlyFeatures(target, greedy_sequences(model, 16))
+    return Trainer(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                   data, config, tmp_path, **kwargs), model, target
+
+
+def test_training_forward_equals_drafter_forward_per_block():
+    model, target, drafter = setup(block_size=4, num_layers=2)
+    seqs = greedy_sequences(model, 2, new_tokens=12)
+    batch = OnTheFlyFeatures(target, seqs).batch([0, 1])
+    anchors = torch.tensor([[4, 9, 1], [6, 5, 12]])  # (B, N)
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors, 4)
+        for b in range(2):
+            for n in range(3):
+                a = int(anchors[b, n])
+                block = torch.full((1, 4), drafter.mask_token_id)
+                block[0, 0] = batch.tokens[b, a]
+                ref = drafter(embed[block], batch.features[b:b + 1, :a])  # (1, 4, H)
+                torch.testing.assert_close(hidden[b, n], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_anchors_stay_in_the_trainable_range():
+    lengths, starts = torch.tensor([10, 6, 20]), torch.tensor([5, 0, 3])
+    anchors, ok = sample_anchors(lengths, starts, 8, torch.Generator().manual_seed(0))
+    for b in range(3):
+        real = anchors[b][ok[b]]
+        assert len(set(real.tolist())) == len(real)  # distinct
+        assert bool(((real >= max(int(starts[b]), 1)) & (real < lengths[b])).all())
+    assert int(ok[0].sum()) == 5 and int(ok[1].sum()) == 5 and int(ok[2].sum()) == 8
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    config = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, config) == pytest.approx(0.1)
+    assert lr_factor(9, config) == pytest.approx(1.0)
+    assert lr_factor(55, config) == pytest.approx(0.55)
+    assert lr_factor(100, config) == pytest.approx(0.1)
+
+
+def test_short_run_lowers_loss_and_raises_acceptance(tmp_path):
+    events = []
+    trainer, model, target = _trainer(tmp_path, callback=events.append)
+    held = build_store(target, greedy_sequences(model, 6, seed=99), tmp_path / "held")
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    before = estimate_acceptance(trainer.drafter, embed, head, held, max_new_tokens=24)
+    history = trainer.run()
+    after = estimate_acceptance(trainer.drafter, embed, head, held, max_new_tokens=24)
+    losses = [s.loss for s in history.steps]
+    assert len(losses) == CONFIG.steps
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert after.mean_acceptance_length > before.mean_acceptance_length + 0.5
+    assert isinstance(events[0], StepStats) and isinstance(events[-1], CheckpointSaved)
+
+
+def test_resume_equals_uninterrupted_training(tmp_path):
+    full, _, _ = _trainer(tmp_path / "full", dataclasses.replace(CONFIG, steps=12))
+    full.run()
+    part, _, _ = _trainer(tmp_path / "part", dataclasses.replace(CONFIG, steps=12, checkpoint_every=5))
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_checkpoint(event):
+        if isinstance(event, CheckpointSaved):
+            raise Stop
+
+    part.callback = stop_after_checkpoint
+    with pytest.raises(Stop):
+        part.run()
+    resumed, _, _ = _trainer(tmp_path / "part", dataclasses.replace(CONFIG, steps=12))
+    assert resumed.load_checkpoint() == 5
+    resumed.run()
+    for (name, a), (_, b) in zip(full.drafter.state_dict().items(),
+                                 resumed.drafter.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert [s.loss for s in full.history.steps] == [s.loss for s in resumed.history.steps]
+
+
+def test_interrupt_saves_a_checkpoint(tmp_path):
+    trainer, _, _ = _trainer(tmp_path)
+    seen = []
+
+    def interrupt(event):
+        seen.append(event)
+        if isinstance(event, StepStats) and event.step == 3:
+            raise KeyboardInterrupt
+
+    trainer.callback = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert isinstance(seen[-1], CheckpointSaved) and seen[-1].step == 3
+    assert (tmp_path / "checkpoint.pt").is_file()
+    assert (tmp_path / "checkpoints" / "step-000003" / "model.safetensors").is_file()
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    trainer, _, _ = _trainer(tmp_path, dataclasses.replace(CONFIG, steps=2))
+    trainer.run()
+    other, _, _ = _trainer(tmp_path, dataclasses.replace(CONFIG, lr=1e-4))
+    with pytest.raises(DflashTrtError, match="lr"):
+        other.load_checkpoint()
+
+
+def test_vocab_limit_trains_on_frequent_labels(tmp_path):
+    config = dataclasses.replace(CONFIG, steps=3, vocab_limit=20)
+    trainer, _, _ = _trainer(tmp_path, config)
+    assert trainer.head.shape[0] == 20 and int((trainer.label_map >= 0).sum()) == 20
+    history = trainer.run()
+    assert all(torch.isfinite(torch.tensor(s.loss)) for s in history.steps)
+
+
+def test_store_matches_on_the_fly_features(tmp_path):
+    model, target, _ = setup()
+    seqs = greedy_sequences(model, 5)
+    store = build_store(target, seqs, tmp_path / "store", batch_size=2)
+    live = OnTheFlyFeatures(target, seqs)
+    assert len(store) == 5 and store.num_tokens == sum(len(s.ids) for s in seqs)
+    a, b = store.batch([3, 0]), live.batch([3, 0])
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+    torch.testing.assert_close(a.features, b.features, rtol=2e-3, atol=2e-3)  # stored as fp16
+    assert (store.label_counts(128) == live.label_counts(128)).all()

@@ -1,0 +1,313 @@
+"""`dflash-trt train-drafter`: self-distill a DFlash drafter for a target on this machine.
+
+Stages (each a small function): load the target, build or load the drafter, collect the data
+(answering prompts with the target where needed, cached), extract target features into an on-disk
+store, train with periodic held-out acceptance estimates, write the drafter, training_report.json
+and training_curves.png. Heavy imports happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from dflash_trt.errors import DflashTrtError, UsageError
+
+
+def _parse_ids(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--target-layer-ids {value!r}: expected comma-separated integers "
+                         "such as 1,14,27") from None
+
+
+def copy_target_layers(drafter, target_model) -> list[int]:
+    """Start from the target itself: drafter layer i := target layer (last id + 1 + i).
+
+    The context features of the last chosen layer are exactly the input that target layer reads,
+    so `fc` starts as a selector of that layer's features and `hidden_norm` as that layer's input
+    norm; the final norm is the target's. Returns the copied target layer indices.
+    """
+    import torch
+
+    layers = target_model.model.layers
+    first = min(drafter.target_layer_ids[-1] + 1, len(layers) - len(drafter.layers))
+    copied = []
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            src = layers[first + i]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+            layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+            layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+            copied.append(first + i)
+        hidden = drafter.config.hidden_size
+        k = len(drafter.target_layer_ids)
+        fc = torch.zeros(hidden, k * hidden)
+        fc[:, (k - 1) * hidden:] = torch.eye(hidden)  # (H, k*H): pass the last layer through
+        drafter.fc.weight.copy_(fc + drafter.fc.weight * 0.1)  # keep a little of the others
+        drafter.hidden_norm.weight.copy_(layers[first].input_layernorm.weight)
+        drafter.norm.weight.copy_(target_model.model.norm.weight)
+    return copied
+
+
+def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len: int,
+               num_samples: int) -> str:
+    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tokens: int,
+                   on_progress):
+    """The samples, with prompts that lack a response answered by the target (cached)."""
+    from dflash_trt import corpus
+
+    pending = [s.prompt for s in samples if s.needs_answer]
+    answered = {}
+    if pending:
+        key = hashlib.sha256("\0".join(specs).encode()).hexdigest()[:12]
+        for s in corpus.answer_prompts(model, tokenizer, pending, cache / f"answers-{key}.jsonl",
+                                       max_new_tokens=max_new_tokens, on_batch=on_progress):
+            answered[s.prompt] = s
+    return [answered.get(s.prompt, s) if s.needs_answer else s for s in samples]
+
+
+def write_curves(history, path: Path) -> None:
+    """Loss per step and held-out acceptance per evaluation, as a PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [s.step for s in history.steps]
+    ax1.plot(steps, [s.loss for s in history.steps], lw=0.6)
+    ax1.set(xlabel="step", ylabel="weighted CE loss", title="training loss")
+    if history.evals:
+        ax2.plot([e.step for e in history.evals], [e.acceptance_length for e in history.evals], "o-")
+    ax2.set(xlabel="step", ylabel="tokens per target forward", title="held-out acceptance (estimate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@click.command("train-drafter")
+@click.option("--target", "target_src", required=True, help="Target model source (dir, .gguf, pkg:, hf:).")
+@click.option("--drafter", "drafter_src", type=click.Path(file_okay=False, exists=True),
+              help="Start from this drafter (reference format) instead of a new one.")
+@click.option("--layers", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Layers of a new drafter.")
+@click.option("--target-layer-ids", help="Comma-separated target layers feeding a new drafter.")
+@click.option("--init-from-target", is_flag=True, help="Copy target decoder layers into a new drafter.")
+@click.option("--mask-token-id", type=int, help="MASK token id of a new drafter (default: per tokenizer).")
+@click.option("--data", "data", multiple=True, required=True,
+              help="Text/.jsonl file, builtin:python-stdlib, builtin:chat or builtin:code-prompts "
+                   "(repeatable).")
+@click.option("--heldout", multiple=True, help="Held-out prompts (.txt/.jsonl/builtin:chat) the "
+              "target answers; the acceptance estimate replays decoding on them.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--steps", default=2000, show_default=True, type=click.IntRange(1))
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--lr", default=6e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--warmup-steps", default=50, show_default=True, type=click.IntRange(0))
+@click.option("--block-size", default=8, show_default=True, type=click.IntRange(2, 32))
+@click.option("--anchors-per-seq", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--gamma", default=7.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--vocab-limit", default=8192, show_default=True, type=click.IntRange(0),
+              help="Softmax over the N most frequent labels while training (0: full vocabulary).")
+@click.option("--max-len", default=512, show_default=True, type=click.IntRange(16),
+              help="Tokens per training sequence.")
+@click.option("--max-samples", type=click.IntRange(1), help="At most N samples per data source.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1),
+              help="Length of the target's answers to prompts, and of the replayed decoding.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint.pt (same settings).")
+@click.option("--checkpoint-every", default=200, show_default=True, type=click.IntRange(0))
+@click.option("--eval-every", default=200, show_default=True, type=click.IntRange(0))
+@click.option("--save-dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="dtype of the written drafter weights (bfloat16 halves the size).")
+@click.option("--threads", type=click.IntRange(1), help="torch threads (default: torch's choice).")
+def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_target,
+                  mask_token_id, data, heldout, output, steps, batch_size, lr, warmup_steps,
+                  block_size, anchors_per_seq, gamma, vocab_limit, max_len, max_samples,
+                  max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, threads):
+    """Train a DFlash drafter on the target's own predictions (self-distillation)."""
+    import torch
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_trt import corpus
+    from dflash_trt.dflash.drafter import DFlashDraftModel, init_drafter_for_target
+    from dflash_trt.dflash.estimate import estimate_acceptance
+    from dflash_trt.dflash.features import FeatureStore, build_store
+    from dflash_trt.dflash.target import HFTarget
+    from dflash_trt.dflash.train import CheckpointSaved, EvalStats, StepStats, TrainConfig, Trainer
+    from dflash_trt.sources import resolve_source
+
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(output)
+    if (out / "checkpoint.pt").exists() and not resume:
+        raise UsageError(f"{out} already holds a training run; pass --resume to continue it or "
+                         "choose another --output")
+    ids = _parse_ids(target_layer_ids)
+    started = time.time()
+    # Bad or empty data fails here, before minutes of model loading.
+    samples = corpus.load_samples(list(data), limit_per_source=max_samples)
+    held_samples = corpus.load_samples(list(heldout)) if heldout else []
+    target_dir = resolve_source(target_src)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    # 1. The drafter: loaded, resumed (architecture from the checkpoint's export), or new.
+    info: dict = {}
+    if drafter_src:
+        drafter = DFlashDraftModel.from_pretrained(drafter_src)
+        if drafter.block_size != block_size:
+            raise UsageError(f"--block-size {block_size} differs from the drafter's "
+                             f"{drafter.block_size}")
+        info["init"] = {"from": str(drafter_src)}
+    else:
+        drafter = init_drafter_for_target(target_dir, num_layers=layers, block_size=block_size,
+                                          target_layer_ids=ids, mask_token_id=mask_token_id,
+                                          seed=seed)
+        info["init"] = {"layers": layers, "seed": seed}
+        if init_from_target:
+            info["init"]["copied_target_layers"] = copy_target_layers(drafter, model)
+    drafter = drafter.float()
+    target = HFTarget(model, drafter.target_layer_ids)
+    pad_id = tokenizer.pad_token_id or 0
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  transient=False) as progress:
+        # 2. Data, with the target's answers to prompts (cached under OUTPUT/cache).
+        cache = out / "cache"
+        answer_task = progress.add_task("answering prompts", total=None, info="", visible=False)
+
+        def answered(done, total):
+            progress.update(answer_task, completed=done, total=total, visible=True)
+
+        samples = answer_pending(samples, list(data), model, tokenizer, cache,
+                                 max_new_tokens=max_new_tokens, on_progress=answered)
+        held_samples = answer_pending(held_samples, list(heldout), model, tokenizer, cache,
+                                      max_new_tokens=max_new_tokens, on_progress=answered)
+        train_prompts = {s.prompt for s in samples if s.prompt is not None}
+        if any(s.prompt in train_prompts for s in held_samples):
+            raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
+
+        # 3. Target features into on-disk stores (reused when the same data comes again).
+        stats = corpus.CorpusStats()
+        key = _store_key(target_dir, drafter.target_layer_ids, list(data), max_len, len(samples))
+        store_dir = cache / f"features-{key}"
+        if (store_dir / "meta.json").is_file():
+            store = FeatureStore(store_dir)
+            stats = corpus.CorpusStats(**json.loads((store_dir / "corpus.json").read_text()))
+        else:
+            seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
+            feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
+                                          info="tokens")
+            store = build_store(target, seqs, store_dir, pad_id=pad_id, sources=list(data),
+                                on_progress=lambda n: progress.advance(feat_task, n))
+            (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
+        held_store = None
+        if held_samples:
+            held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer, max_len=max_len + max_new_tokens))
+            held_store = build_store(target, held_seqs, cache / "heldout-features", pad_id=pad_id,
+                                     dtype="float32")  # small; exact replay
+
+        # 4. Train.
+        config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                             block_size=block_size, anchors_per_seq=anchors_per_seq, gamma=gamma,
+                             seed=seed, vocab_limit=vocab_limit, checkpoint_every=checkpoint_every,
+                             eval_every=eval_every if held_store is not None else 0)
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+        def evaluate(trainer) -> EvalStats:
+            est = estimate_acceptance(trainer.drafter, embed, head, held_store,
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+            recent = trainer.history.steps[-20:]
+            return EvalStats(trainer.step, est.mean_acceptance_length,
+                             sum(s.first_token_accuracy for s in recent) / max(len(recent), 1))
+
+        train_task = progress.add_task("training", total=steps, info="")
+        last_eval = {"tau": None}
+
+        def on_event(event) -> None:
+            if isinstance(event, StepStats):
+                tps = event.block_tokens / max(event.seconds, 1e-9)
+                tau = last_eval["tau"]
+                progress.update(train_task, completed=event.step, info=(
+                    f"loss {event.loss:.3f}  {tps:,.0f} tok/s"
+                    + (f"  accept {tau:.2f}" if tau is not None else "")))
+            elif isinstance(event, EvalStats):
+                last_eval["tau"] = event.acceptance_length
+            elif isinstance(event, CheckpointSaved):
+                progress.console.log(f"checkpoint at step {event.step}: {event.path}")
+
+        trainer = Trainer(drafter, embed, head, store, config, out, evaluate=evaluate if held_store
+                          else None, callback=on_event, pad_id=pad_id)
+        if resume:
+            trainer.load_checkpoint()
+            progress.update(train_task, completed=trainer.step)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            history = trainer.run()
+        except KeyboardInterrupt:
+            raise DflashTrtError(f"interrupted at step {trainer.step}; checkpoint saved in {out}; "
+                                 "continue with the same command plus --resume") from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    # 5. Outputs: the drafter (reference format), the report and the curves.
+    import copy
+
+    copy.deepcopy(drafter).to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
+    final = estimate_acceptance(drafter, embed, head, held_store, max_new_tokens=max_new_tokens,
+                                stop_token_ids=stop_ids) if held_store is not None else None
+    report = {
+        "target": target_src, "drafter": info, "config": asdict(config),
+        "target_layer_ids": drafter.target_layer_ids, "mask_token_id": drafter.mask_token_id,
+        "data": {"sources": list(data), "samples": stats.samples, "sequences": stats.sequences,
+                 "tokens": stats.tokens, "feature_tokens": store.num_tokens},
+        "heldout": {"sources": list(heldout), "sequences": len(held_store) if held_store else 0},
+        "steps": trainer.step, "wall_seconds_training": round(history.wall_seconds, 1),
+        "wall_seconds_total": round(time.time() - started, 1),
+        "loss_curve": [[s.step, round(s.loss, 4)] for s in history.steps],
+        "acceptance_curve": [[e.step, round(e.acceptance_length, 4)] for e in history.evals],
+        "heldout_acceptance": asdict(final) if final else None,
+    }
+    (out / "drafter" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_curves(history, out / "drafter" / "training_curves.png")
+    click.echo(f"drafter written to {out / 'drafter'}"
+               + (f"; held-out acceptance {final.mean_acceptance_length:.2f}" if final else ""))
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+COMMANDS = [train_drafter]
