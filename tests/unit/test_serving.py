@@ -80,10 +80,12 @@ def test_stream_needs_a_decoupled_model():
 
 def test_totals_and_outputs():
     totals = Totals()
+    totals.add(StepOutput((7,), "x", 0, 0))  # the prefill's token: not a decoding forward
+    assert totals.acceptance_length == 0.0
     totals.add(StepOutput((1, 2, 3), "abc", 3, 2))
     totals.add(StepOutput((4,), "d", 3, 0, finished=True, finish_reason="length"))
-    assert totals.text == "abcd" and totals.token_ids == [1, 2, 3, 4]
-    assert totals.acceptance_length == 2.0
+    assert totals.text == "xabcd" and totals.token_ids == [7, 1, 2, 3, 4]
+    assert totals.acceptance_length == 2.0  # (3 + 1) tokens over 2 decoding forwards
     out = output_arrays("d", [4], totals)
     assert out["text_output"].tolist() == [b"d"] and out["output_token_ids"].dtype == np.int32
     assert out["total_draft_tokens"].tolist() == [6]

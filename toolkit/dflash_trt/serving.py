@@ -131,21 +131,26 @@ class Totals:
 
     text: str = ""
     token_ids: list[int] | None = None
-    forwards: int = 0  # target forwards that produced tokens
+    steps: int = 0  # engine steps seen; the first is the prefill's token
+    forwards: int = 0  # decoding forwards that produced tokens (the prefill not counted)
+    decoded_tokens: int = 0  # tokens from those forwards
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
 
     def add(self, step: StepOutput) -> None:
         self.text += step.text
         self.token_ids = (self.token_ids or []) + list(step.token_ids)
-        self.forwards += 1 if step.token_ids else 0
+        if self.steps > 0 and step.token_ids:
+            self.forwards += 1
+            self.decoded_tokens += len(step.token_ids)
+        self.steps += 1
         self.draft_tokens += step.num_draft_tokens
         self.accepted_draft_tokens += step.num_accepted_draft_tokens
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens per target forward so far."""
-        return len(self.token_ids or []) / self.forwards if self.forwards else 0.0
+        """Mean tokens per decoding forward so far, as `dflash-trt eval` reports it."""
+        return self.decoded_tokens / self.forwards if self.forwards else 0.0
 
 
 def output_arrays(text: str, token_ids: list[int], totals: Totals) -> dict[str, np.ndarray]:

@@ -46,12 +46,14 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     total_draft_tokens: int = 0
     total_accepted_draft_tokens: int = 0
-    acceptance_lengths: list[int] = field(default_factory=list)  # tokens per target forward
+    # Tokens per decoding forward. The first step (the prefill's token) is left out, as in the
+    # DFlash reference, so 1.0 means "no speculation" and block_size is the ceiling.
+    acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens per target forward (1.0 without speculation)."""
+        """Mean tokens per decoding forward (1.0 without speculation)."""
         n = len(self.acceptance_lengths)
         return sum(self.acceptance_lengths) / n if n else 0.0
 
@@ -73,12 +75,12 @@ class Engine(Protocol):
 def collect(steps: Iterator[StepOutput]) -> GenerationResult:
     """Drain a step stream into one GenerationResult."""
     result = GenerationResult(text="")
-    for step in steps:
+    for i, step in enumerate(steps):
         result.text += step.text
         result.token_ids.extend(step.token_ids)
         result.total_draft_tokens += step.num_draft_tokens
         result.total_accepted_draft_tokens += step.num_accepted_draft_tokens
-        if step.token_ids:
+        if i > 0 and step.token_ids:
             result.acceptance_lengths.append(len(step.token_ids))
         if step.finished:
             result.finish_reason = step.finish_reason
