@@ -19,7 +19,9 @@ Mask token id, when not given (`choose_mask_token_id`):
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,27 +47,45 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 class DraftCache:
-    """Per-layer keys and values of the injected context (the drafter's KV cache)."""
+    """Per-layer keys and values of the injected context (the drafter's KV cache).
+
+    Each layer's K/V live in a buffer that grows by doubling, so appending C positions copies C
+    positions (not the whole cache) and `crop` only moves the length.
+    """
 
     def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._keys: list[torch.Tensor | None] = [None] * num_layers  # (B, nkv, capacity, hd)
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._lengths = [0] * num_layers
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+        return self._lengths[0]
+
+    def get(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Views of layer's filled keys and values (B, nkv, S, hd); None before the first update."""
+        k, v, n = self._keys[layer], self._values[layer], self._lengths[layer]
+        return (None, None) if k is None else (k[..., :n, :], v[..., :n, :])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=-2)  # (B, nkv, S+C+T, hd)
-            v = torch.cat([self.values[layer], v], dim=-2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Append k, v (B, nkv, C, hd) after the layer's cached positions; return all of them."""
+        start = self._lengths[layer]
+        end = start + k.shape[-2]
+        old_k, old_v = self._keys[layer], self._values[layer]
+        if old_k is None or end > old_k.shape[-2]:
+            capacity = max(end, 64 if old_k is None else 2 * old_k.shape[-2])
+            shape = (*k.shape[:-2], capacity, k.shape[-1])
+            self._keys[layer], self._values[layer] = k.new_empty(shape), v.new_empty(shape)
+            if start:
+                self._keys[layer][..., :start, :] = old_k[..., :start, :]
+                self._values[layer][..., :start, :] = old_v[..., :start, :]
+        self._keys[layer][..., start:end, :] = k
+        self._values[layer][..., start:end, :] = v
+        self._lengths[layer] = end
+        return self.get(layer)  # (B, nkv, S+C, hd) each
 
     def crop(self, length: int) -> None:
         """Drop everything past `length` positions (the block's own keys after drafting)."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            if k is not None:
-                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+        self._lengths = [min(n, length) for n in self._lengths]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +131,26 @@ class DFlashAttention(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
 
+    def forward_ops(self, x, cos, sin, cache: DraftCache, ops):
+        """The block's attention through `block_draft_attention`, batch 1, context already cached.
+
+        x: (1, T, H) block; cos, sin: (T, hd) at the block's positions. Only the block is
+        projected (the context's K/V came from kv_inject). The block's K/V are appended after the
+        attention, so the cache ends up as the torch path leaves it.
+        """
+        t = x.shape[1]
+        h = x[0]  # (T, H)
+        q = self.q_norm(self.q_proj(h).view(t, -1, self.head_dim)).transpose(0, 1)  # (nh, T, hd)
+        k = self.k_norm(self.k_proj(h).view(t, -1, self.head_dim)).transpose(0, 1)  # (nkv, T, hd)
+        v = self.v_proj(h).view(t, -1, self.head_dim).transpose(0, 1)  # (nkv, T, hd)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_ctx, v_ctx = cache.get(self.layer_idx)  # (1, nkv, S+C, hd) views, or None
+        if k_ctx is None:
+            k_ctx = v_ctx = k.new_empty(k.shape[0], 0, self.head_dim)[None]  # no context yet
+        out = ops.block_draft_attention(q, k_ctx[0], v_ctx[0], k, v, 0)  # (nh, T, hd)
+        cache.update(self.layer_idx, k[None], v[None])
+        return self.o_proj(out.transpose(0, 1).reshape(1, t, -1))  # (1, T, H)
+
 
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int):
@@ -125,6 +165,11 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, x, context, cos, sin, cache):
         # The context is not normed per layer: it was normed once by hidden_norm (as the reference).
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_ops(self, x, cos, sin, cache, ops):
+        """forward for one block (batch 1) whose context K/V are already in the cache."""
+        x = x + self.self_attn.forward_ops(self.input_layernorm(x), cos, sin, cache, ops)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,6 +193,8 @@ class DFlashDraftModel(nn.Module):
                             bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
+        # Inference through the DFlash plugin ops; False keeps the plain torch path (same tokens).
+        self.use_ops = True
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
@@ -158,7 +205,13 @@ class DFlashDraftModel(nn.Module):
         noise_embedding: (B, T, H) embeddings of [last token, MASK...];
         target_hidden: (B, C, k*H) concatenated target layer outputs of the C newest context
         positions. Positions continue from the cache: context at S..S+C-1, block after it.
+        Afterwards the cache holds context and block; crop(S+C) drops the block.
+        Inference (batch 1 with a cache) runs the DFlash plugin ops when `use_ops` and they load;
+        everything else (training, batches, attention bias) runs plain torch.
         """
+        ops = self._ops() if cache is not None and noise_embedding.shape[0] == 1 else None
+        if ops is not None:
+            return self._forward_ops(noise_embedding, target_hidden, cache, ops)
         past = 0 if cache is None else cache.get_seq_length()
         total = target_hidden.shape[1] + noise_embedding.shape[1]
         position_ids = torch.arange(past, past + total, device=noise_embedding.device)[None]  # (1, C+T)
@@ -169,6 +222,34 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, context, cos, sin, cache)
         return self.norm(x)  # (B, T, H)
+
+    def _ops(self):
+        """The plugin ops module, or None when this drafter should (or must) run plain torch."""
+        if not self.use_ops or self.config.attention_bias:  # the ops have no bias terms
+            return None
+        return _load_ops()
+
+    def _forward_ops(self, noise_embedding, target_hidden, cache: DraftCache, ops):
+        """forward through kv_inject and block_draft_attention (batch 1, one path for CPU and GPU)."""
+        past, num_ctx = cache.get_seq_length(), target_hidden.shape[1]
+        total = num_ctx + noise_embedding.shape[1]
+        position_ids = torch.arange(past, past + total, device=noise_embedding.device)[None]  # (1, C+T)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)  # (1, C+T, hd) each
+        cos, sin = cos[0], sin[0]  # (C+T, hd)
+        if num_ctx:
+            # 1. KV injection: the new context's K/V for every layer in one op, then cached.
+            attn = [layer.self_attn for layer in self.layers]
+            kv = ops.kv_inject(target_hidden[0], self.fc.weight, self.hidden_norm.weight,
+                               [a.k_proj.weight for a in attn], [a.v_proj.weight for a in attn],
+                               [a.k_norm.weight for a in attn], cos[:num_ctx], sin[:num_ctx],
+                               self.config.rms_norm_eps)  # (L, 2, nkv, C, hd)
+            for i, layer_kv in enumerate(kv):
+                cache.update(i, layer_kv[0][None], layer_kv[1][None])  # (1, nkv, S+C, hd)
+        # 2. The block: each layer projects only the block and attends over cache + block.
+        x = noise_embedding  # (1, T, H)
+        for layer in self.layers:
+            x = layer.forward_ops(x, cos[num_ctx:], sin[num_ctx:], cache, ops)
+        return self.norm(x)  # (1, T, H)
 
     def save_pretrained(self, out: Path | str) -> None:
         """Write config.json and model.safetensors in the reference format."""
@@ -197,6 +278,19 @@ class DFlashDraftModel(nn.Module):
             raise DflashTrtError(f"{path}: not a DFlash drafter checkpoint (missing keys "
                                  f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
         return model.to(device=device, dtype=dtype).eval()
+
+
+@functools.cache
+def _load_ops():
+    """The DFlash plugin ops, imported on first use; None (with one warning) if they cannot load."""
+    from dflash_trt.plugins import load_dflash_ops
+
+    try:
+        return load_dflash_ops()
+    except (ImportError, DflashTrtError) as exc:
+        warnings.warn(f"DFlash plugin ops unavailable ({exc}); the drafter runs plain torch",
+                      stacklevel=3)
+        return None
 
 
 def load_drafter_config(path: Path):
