@@ -179,3 +179,18 @@ def test_cli_eval_exits_1_when_outputs_differ(dirs, tmp_path, monkeypatch):
         "--max-new-tokens", "12"])
     assert result.exit_code == 1
     assert "differ" in result.output
+
+
+def test_cli_generate_builtin_prompt_set_first_n(dirs):
+    result = CliRunner().invoke(COMMAND["generate"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts-file", "builtin:chat",
+        "--num-prompts", "2", "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 and rows[0]["prompt"] != rows[1]["prompt"]
+
+
+def test_cli_eval_unknown_prompt_set_is_usage_error(dirs):
+    result = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts", "builtin:nope"])
+    assert result.exit_code == 2 and "builtin:nope" in result.output

@@ -27,24 +27,6 @@ def _layer_ids(_ctx, _param, value: str | None) -> list[int] | None:
     return ids
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from a .txt file (one per line) or a .jsonl file (field `prompt`)."""
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix == ".txt":
-        return lines
-    if path.suffix != ".jsonl":
-        raise UsageError(f"{path}: prompts files must be .txt (one per line) or .jsonl")
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        try:
-            prompts.append(str(json.loads(line)["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"{path}:{number}: expected a JSON object with a 'prompt' field") from None
-    if not prompts:
-        raise UsageError(f"{path}: no prompts")
-    return prompts
-
-
 def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
                  block_size: int | None, max_seq_len: int):
     from transformers.utils import logging as hf_logging
@@ -150,21 +132,26 @@ def _engine_options(f):
 @click.option("--drafter", default=None, metavar="DIR", help="DFlash drafter checkpoint.")
 @click.option("--no-draft", is_flag=True, help="Plain target decoding (the baseline).")
 @click.option("--prompt", default=None, help="One prompt.")
-@click.option("--prompts-file", default=None, type=click.Path(exists=True, dir_okay=False,
-              path_type=Path), help=".txt (one prompt per line) or .jsonl (field `prompt`).")
+@click.option("--prompts-file", default=None, metavar="FILE|builtin:SET",
+              help=".txt (one prompt per line), .jsonl (field `prompt`), builtin:humaneval or "
+              "builtin:chat.")
+@click.option("--num-prompts", default=None, type=click.IntRange(1),
+              help="Use only the first N prompts.")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
 @_sampling_options
 @_engine_options
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
-def generate(target, drafter, no_draft, prompt, prompts_file, chat, max_new_tokens, temperature,
-             top_k, top_p, seed, block_size, device, dtype, max_seq_len, stream, as_json) -> None:
+def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat, max_new_tokens,
+             temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len, stream,
+             as_json) -> None:
     """Generate text with DFlash speculative decoding (or plain decoding with --no-draft)."""
     from dflash_trt.engines.base import SamplingParams
+    from dflash_trt.prompts import load_prompts
 
     if (prompt is None) == (prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE")
-    prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
+    prompts = [prompt] if prompt is not None else load_prompts(prompts_file, num_prompts)
     engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, num_draft_tokens=0 if no_draft else None)
@@ -184,19 +171,22 @@ def generate(target, drafter, no_draft, prompt, prompts_file, chat, max_new_toke
 @click.command("eval")
 @click.option("--target", required=True, metavar="SRC", help="Target model source.")
 @click.option("--drafter", required=True, metavar="DIR", help="DFlash drafter checkpoint.")
-@click.option("--prompts", "prompts_file", required=True, type=click.Path(
-    exists=True, dir_okay=False, path_type=Path), help=".txt or .jsonl prompts file.")
+@click.option("--prompts", "prompts_file", required=True, metavar="FILE|builtin:SET",
+              help=".txt or .jsonl prompts file, builtin:humaneval or builtin:chat.")
+@click.option("--num-prompts", default=None, type=click.IntRange(1),
+              help="Use only the first N prompts.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
 @_engine_options
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (per prompt, histogram) as JSON to FILE.")
-def eval_(target, drafter, prompts_file, max_new_tokens, chat, block_size, device, dtype,
-          max_seq_len, report) -> None:
+def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, block_size, device,
+          dtype, max_seq_len, report) -> None:
     """Check that speculative output equals plain greedy output for every prompt (exit 1 if not)."""
     from dflash_trt.engines.base import SamplingParams
+    from dflash_trt.prompts import load_prompts
 
-    prompts = read_prompts(prompts_file)
+    prompts = load_prompts(prompts_file, num_prompts)
     engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
     rows, lengths = [], []
     for number, text_prompt in enumerate(prompts, 1):
