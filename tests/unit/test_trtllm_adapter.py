@@ -118,13 +118,13 @@ def test_draft_counters_become_per_step_deltas():
     result = collect(iter(out))
     assert result.text == "abcdefg"
     assert result.total_draft_tokens == 45 and result.total_accepted_draft_tokens == 3
-    assert result.acceptance_lengths == [1, 3, 1, 2]
+    assert result.acceptance_lengths == [3, 1, 2]  # the prefill step is not a decoding step
 
 
 def test_without_runtime_counters_steps_report_zero_not_a_guess():
     out = list(steps([_snap([1, 2, 3], "x"), _snap([4], "y", True, "eos")]))
     assert [(s.num_draft_tokens, s.num_accepted_draft_tokens) for s in out] == [(0, 0), (0, 0)]
-    assert collect(iter(out)).acceptance_lengths == [3, 1]
+    assert collect(iter(out)).acceptance_lengths == [1]  # the first step is the prefill
 
 
 def test_a_finished_snapshot_without_tokens_still_ends_the_stream():
