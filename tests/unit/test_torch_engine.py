@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 
 import pytest
@@ -13,7 +12,7 @@ from dflash_fixtures import byte_tokenizer, write_tiny_checkpoint
 from dflash_trt.commands.engine import COMMANDS
 from dflash_trt.engines.base import Engine, SamplingParams, collect
 from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
-from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.errors import UsageError
 
 COMMAND = {c.name: c for c in COMMANDS}
 
@@ -107,15 +106,6 @@ def test_bad_requests_are_usage_errors(engine, params, match):
     with pytest.raises(UsageError, match=match):
         next(engine.stream([5, 6], params))
     assert not engine._lock.locked()
-
-
-def test_quantized_target_without_qformats_is_a_clear_error(dirs, tmp_path, monkeypatch):
-    from dflash_trt.engines.torch_engine import TorchEngine
-
-    (tmp_path / "hf_quant_config.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "dflash_trt.qformats", None)  # makes the import fail
-    with pytest.raises(DflashTrtError, match="quantized checkpoints are not supported yet"):
-        TorchEngine.load(tmp_path, None)
 
 
 def test_incremental_detokenizer_never_splits_a_character():

@@ -16,7 +16,9 @@ from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
 from dflash_trt.errors import DflashTrtError, UsageError
 
-DTYPES = ("float32", "bfloat16", "float16")
+# float64 exists for exactness checks: with fake-quantized activations, float32 rounding that
+# depends on the matmul shape (1-token decode vs k-token verify) can flip a quantization step.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _torch_dtype(name: str):
@@ -38,11 +40,8 @@ def _pick_device(device: str) -> str:
 
 
 def _qformats():
-    try:
-        from dflash_trt import qformats
-    except ImportError as exc:
-        raise DflashTrtError("quantized checkpoints are not supported yet by the torch engine; "
-                             "use the unquantized resolve output") from exc
+    from dflash_trt import qformats  # torch-only dequantization; loaded only for quantized dirs
+
     return qformats
 
 
@@ -62,15 +61,18 @@ def load_target(target_dir: Path, *, dtype: str, device: str):
 
 
 def load_drafter(drafter_dir: Path, *, dtype: str, device: str):
-    """The DFlash drafter; a quantized one is dequantized to a float state dict by qformats."""
+    """The DFlash drafter; a quantized one is dequantized by qformats, activations quantized too."""
     from dflash_trt.dflash.drafter import DFlashDraftModel
 
     config_file = drafter_dir / "config.json"
     state = None
     if config_file.is_file() and "quantization_config" in json.loads(config_file.read_text()):
         state = _qformats().load_quantized_drafter_state(drafter_dir)
-    return DFlashDraftModel.from_pretrained(drafter_dir, state_dict=state,
-                                            dtype=_torch_dtype(dtype), device=device)
+    model = DFlashDraftModel.from_pretrained(drafter_dir, state_dict=state,
+                                             dtype=_torch_dtype(dtype), device=device)
+    if state is not None:
+        _qformats().attach_activation_quant(model, drafter_dir)
+    return model
 
 
 def _stop_token_ids(model, tokenizer) -> list[int]:

