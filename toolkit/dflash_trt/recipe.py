@@ -71,20 +71,21 @@ def _check_source(value: str, info: ValidationInfo) -> str:
     return _local_path(value, info, "local model path")
 
 
-def _check_data(value: str, info: ValidationInfo) -> str:
+def _builtin_or_file(value: str, info: ValidationInfo, builtins: tuple[str, ...],
+                     what: str) -> str:
     if value.startswith("builtin:"):
-        if value not in BUILTIN_DATA:
-            raise ValueError(f"unknown builtin data set; choose one of {', '.join(BUILTIN_DATA)}")
+        if value not in builtins:
+            raise ValueError(f"unknown builtin {what}; choose one of {', '.join(builtins)}")
         return value
-    return _local_path(value, info, "data file")
+    return _local_path(value, info, f"{what} file")
+
+
+def _check_data(value: str, info: ValidationInfo) -> str:
+    return _builtin_or_file(value, info, BUILTIN_DATA, "data")
 
 
 def _check_prompts(value: str, info: ValidationInfo) -> str:
-    if value.startswith("builtin:"):
-        if value not in BUILTIN_PROMPTS:
-            raise ValueError(f"unknown builtin prompt set; choose one of {', '.join(BUILTIN_PROMPTS)}")
-        return value
-    return _local_path(value, info, "prompts file")
+    return _builtin_or_file(value, info, BUILTIN_PROMPTS, "prompts")
 
 
 def _check_name(value: str) -> str:
