@@ -209,3 +209,42 @@ def test_top_k_and_top_p_filtering():
     assert (kept[:2] > 0).all() and (kept[2:] == 0).all()  # 0.644 < 0.85 <= 0.881
     assert torch.allclose(kept[:2], probs[:2] / probs[:2].sum())
     assert Sampler(0.0).sample(logits).item() == 0
+
+
+def test_backoff_rests_a_drafter_that_never_hits_and_stays_lossless():
+    from dflash_trt.dflash.generate import BACKOFF_MAX
+
+    target = chain_target()
+    plain, _ = gen.generate(target, None, [3], max_new_tokens=120, block_size=1)
+    tokens, stats = gen.generate(target, StubDrafter(16, correct=0), [3], max_new_tokens=120,
+                             block_size=4, backoff=True)
+    assert tokens == plain
+    no_backoff_target = chain_target()
+    _, stats_fixed = gen.generate(no_backoff_target, StubDrafter(16, correct=0), [3],
+                              max_new_tokens=120, block_size=4)
+    # Without back-off every decoding step verifies 3 rejected drafts; with it, most steps are
+    # plain one-token forwards, and rests grow up to BACKOFF_MAX.
+    assert stats_fixed.num_draft_tokens > 2.9 * len(stats_fixed.acceptance_lengths)
+    assert stats.num_draft_tokens < stats_fixed.num_draft_tokens / 4
+    assert target.forward_lengths.count(1) > len(target.forward_lengths) * 3 // 4
+    assert BACKOFF_MAX >= 8
+
+
+@pytest.mark.parametrize("correct", [1, 10**9])
+def test_backoff_never_rests_a_drafter_that_hits(correct):
+    runs = []
+    for backoff in (False, True):
+        target = chain_target()
+        tokens, stats = gen.generate(target, StubDrafter(16, correct=correct), [5],
+                                 max_new_tokens=60, block_size=4, backoff=backoff)
+        runs.append((tokens, stats.acceptance_lengths, target.forward_lengths))
+    assert runs[0] == runs[1]
+
+
+def test_backoff_is_lossless_on_a_real_target(family_setup):
+    model, prompts, refs = family_setup
+    drafter = tiny_drafter(model, block_size=4, target_layer_ids=[0, 2])
+    for ids, ref in zip(prompts, refs, strict=True):
+        tokens, _ = gen.generate(HFTarget(model, drafter.target_layer_ids), drafter, ids,
+                             max_new_tokens=NEW_TOKENS, block_size=4, backoff=True)
+        assert tokens == ref

@@ -122,6 +122,8 @@ def run_prompts(engine, prompt_ids: list[list[int]], max_new_tokens: int, plain:
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                             num_draft_tokens=0 if plain else None)
+    if hasattr(engine, "draft_backoff"):
+        engine.draft_backoff = False  # the gates measure the drafter on every step
     out = []
     for ids in prompt_ids:
         result = collect(engine.stream(ids, params))

@@ -188,6 +188,7 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, bloc
 
     prompts = load_prompts(prompts_file, num_prompts)
     engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
+    engine.draft_backoff = False  # measure the drafter on every step
     rows, lengths = [], []
     for number, text_prompt in enumerate(prompts, 1):
         ids = engine.tokenize(text_prompt, chat=chat)

@@ -19,6 +19,12 @@ import torch
 
 from dflash_trt.dflash.sampling import Sampler
 
+# Draft back-off: after BACKOFF_PATIENCE drafting steps in a row with nothing accepted, decode
+# plainly for 1, 2, 4, ... BACKOFF_MAX steps before drafting again. A verify pass over rejected
+# drafts costs more than a plain step (on CPU ~2x) and buys nothing; plain steps are exact.
+BACKOFF_PATIENCE = 2
+BACKOFF_MAX = 32
+
 
 @dataclass
 class Step:
@@ -113,8 +119,11 @@ def accept_sampled(logits: _LazyLogits, drafts: list[int], q: torch.Tensor | Non
 def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens: int,
                    block_size: int, num_draft_tokens: int | None = None,
                    stop_token_ids: Sequence[int] = (),
-                   sampler: Sampler | None = None) -> Iterator[Step]:
-    """Yield one Step per target forward until max_new_tokens or a stop token."""
+                   sampler: Sampler | None = None, backoff: bool = False) -> Iterator[Step]:
+    """Yield one Step per target forward until max_new_tokens or a stop token.
+
+    backoff: rest a drafter that keeps missing (see BACKOFF_PATIENCE); off to measure a drafter.
+    """
     sampler = sampler or Sampler()
     draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
     if num_draft_tokens is not None:
@@ -135,10 +144,14 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
     yield Step([token], 0, 0, finish)
     draft_cache = drafter.new_cache() if capture else None
     start = len(prompt_ids)  # position of `token`: the newest token, not yet in the target cache
+    misses, rest, resting = 0, 1, 0  # back-off: drafting steps missed, next rest, steps left
 
     while finish is None:
         # 2. Draft k tokens after `token`; never more than fit in max_new_tokens with the bonus.
+        #    A resting drafter drafts nothing; its context keeps growing for when it drafts again.
         k = min(draft_len, max_new_tokens - generated - 1)
+        if resting:
+            k, resting = 0, resting - 1
         drafts, q = [], None
         if k > 0:
             drafts, q = draft_block(target, drafter, token, context, draft_cache, start,
@@ -156,6 +169,10 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         else:
             n, bonus = accept_sampled(logits, drafts, q, sampler)
         new_tokens = [*drafts[:n], bonus]
+        if backoff and drafts:
+            misses, rest = (misses + 1, rest) if n == 0 else (0, 1)
+            if misses >= BACKOFF_PATIENCE:
+                misses, resting, rest = 0, rest, min(2 * rest, BACKOFF_MAX)
 
         # 5. Crop caches to the accepted tokens; their features become the drafter's new context.
         target_cache.crop(start + n + 1)  # holds positions 0 .. start+n (token, d1..dn)

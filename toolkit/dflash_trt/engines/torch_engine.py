@@ -101,6 +101,9 @@ class TorchEngine:
         self.target = HFTarget(model, drafter.target_layer_ids if drafter is not None else None)
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
         self._lock = threading.Lock()
+        # Serving rests a drafter that keeps missing (lossless, see dflash.generate); `eval` and
+        # `verify` turn it off so acceptance lengths measure the drafter itself.
+        self.draft_backoff = True
 
     @classmethod
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
@@ -187,7 +190,8 @@ class TorchEngine:
                                    block_size=self.block_size,
                                    num_draft_tokens=params.num_draft_tokens,
                                    stop_token_ids=self.stop_token_ids,
-                                   sampler=self._sampler(params))
+                                   sampler=self._sampler(params),
+                                   backoff=self.draft_backoff)
             try:
                 for step in steps:
                     text, stopped = stops.push(detok.push(step.token_ids))
