@@ -204,3 +204,12 @@ def test_local_input_file_change_reruns(tmp_path):
     assert plan(r, stages=spec) == [("first", None)]
     (model / "config.json").write_text('{"changed": true}')
     assert plan(r, stages=spec) == [("first", "local input files changed")]
+
+
+def test_bytecode_caches_written_by_serving_do_not_make_a_stage_stale(tmp_path):
+    r = make_recipe(tmp_path)
+    run_pipeline(r, stages=stages())
+    cache = r.build_dir / "two" / "__pycache__"
+    cache.mkdir()
+    (cache / "model.cpython-311.pyc").write_bytes(b"\0")
+    assert plan(r, stages=stages())[1] == ("second", None)

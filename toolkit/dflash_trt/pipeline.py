@@ -113,13 +113,16 @@ def _sha(obj: Any) -> str:
 
 
 def fingerprint_tree(root: Path) -> dict[str, list[int]]:
-    """{relative path: [size, mtime_ns]} for every file under root (a file root maps to '.')."""
+    """{relative path: [size, mtime_ns]} for every file under root (a file root maps to '.').
+
+    Python bytecode caches are left out: serving a repository writes them next to model.py.
+    """
     if root.is_file():
         st = root.stat()
         return {".": [st.st_size, st.st_mtime_ns]}
     out = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file():
+        if path.is_file() and "__pycache__" not in path.relative_to(root).parts:
             st = path.stat()
             out[str(path.relative_to(root))] = [st.st_size, st.st_mtime_ns]
     return out
