@@ -205,14 +205,6 @@ def test_eight_concurrent_streams(server, engine):
     assert results == {i: reference(engine, p).text for i, p in enumerate(PROMPTS)}
 
 
-def cancelled_count(server) -> float:
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("dflash_requests_total") and 'outcome="cancelled"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 CANCEL_PROMPT = "request 2"  # the tiny model does not stop on its own within CANCEL_TOKENS
 CANCEL_TOKENS = 230  # prompt (9) + 230 <= max_seq_len 256
 
@@ -221,18 +213,17 @@ def test_a_cancelled_stream_does_not_disturb_the_others(server, engine):
     # The premise: uncancelled, this request runs for its whole budget (no early EOS), so the
     # cancellation reaches the model while it is still generating.
     assert len(reference(engine, CANCEL_PROMPT, CANCEL_TOKENS).token_ids) == CANCEL_TOKENS
-    before = cancelled_count(server)
     prompts = [CANCEL_PROMPT] + PROMPTS[:4]
     results, errors = {}, []
     run_streams(server, prompts, results, errors, cancel_index=0)
     assert not errors
     for i, prompt in enumerate(prompts[1:], start=1):
         assert results[i] == reference(engine, prompt).text
+    assert len(results[0]) < len(reference(engine, CANCEL_PROMPT, CANCEL_TOKENS).text)
     # Whether the model also notices (request.is_cancelled() -> its "cancelled" metric) is not
     # asserted: with the nvidia-pytriton build of Triton 2.51 it did in about 2 of 3 runs here; in
     # the others the cancelled request ran to its end unnoticed, which costs compute but no one
     # else's output. Closing the stream itself must never break the server or the others.
-    assert cancelled_count(server) in (before, before + 1)
     assert server.is_ready()
 
 

@@ -120,7 +120,8 @@ class TargetSection(Section):
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template to "
                                 "prompts in verify, calibration and serving.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint "
-                                    "to run. Off unless you trust the source.")
+                                    "to run. Off unless you trust the source. Not supported by "
+                                    "`build` yet: the resolve stage refuses it.")
 
 
 class DrafterInit(Section):
@@ -153,7 +154,9 @@ class DrafterSection(Section):
     init: DrafterInit | None = Field(None, description="Initialise a new (untrained) drafter "
                                      "for the target instead of loading one.")
     train: DrafterTrain | None = Field(None, description="Train the drafter (from `source` or "
-                                       "`init`) on the target's own predictions.")
+                                       "`init`) on the target's own predictions. Not run by "
+                                       "`build` yet (the resolve stage refuses it): train with "
+                                       "`dflash-trt train-drafter`, then set `source`.")
 
     @model_validator(mode="after")
     def _one_origin(self) -> DrafterSection:
