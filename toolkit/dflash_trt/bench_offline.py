@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trt.verify import first_mismatch
+
 PLAIN = "plain"
 DFLASH = "dflash"
 HF_GREEDY = "hf-generate"
@@ -95,12 +97,7 @@ class OfflineReport:
         return {**asdict(self), "identical": self.identical}
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token; None when the sequences are equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+first_difference = first_mismatch  # index of the first differing token; None when equal
 
 
 def run_offline(contenders: Sequence[Contender], prompts: Sequence[Sequence[int]], *,
