@@ -85,6 +85,14 @@ def test_code_prompts_are_deterministic_and_not_humaneval():
     corpus.check_no_humaneval([corpus.Sample("x", prompt=p) for p in prompts])
 
 
+def test_method_prompts_are_new_deterministic_and_not_humaneval():
+    prompts = corpus.method_prompts()
+    assert prompts == corpus.method_prompts() and len(prompts) > 1000
+    assert not set(prompts) & set(corpus.code_prompts())  # more data, not the same again
+    samples = corpus.load_samples(["builtin:method-prompts"])  # also runs the HumanEval guard
+    assert [s.prompt for s in samples] == prompts and all(s.needs_answer for s in samples)
+
+
 def test_humaneval_prompts_are_refused(tmp_path):
     sigs = corpus.humaneval_signatures()
     if not sigs:

@@ -126,6 +126,20 @@ def test_calibration_is_deterministic_and_hashed():
         build_calibration(tok, ["builtin:chat"], 4, 100_000)
 
 
+def test_calibration_reads_every_data_set_a_recipe_accepts(tmp_path):
+    from dflash_trt.recipe import BUILTIN_DATA
+
+    tok = char_tokenizer()
+    for spec in BUILTIN_DATA:
+        assert build_calibration(tok, [spec], 2, 16).num_sequences == 2, spec
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text('{"prompt": "add two numbers", "response": "def add(a, b): return a + b"}\n')
+    calib = build_calibration(tok, [str(rows)], 1, 22)  # one character per token
+    assert tok.decode(calib.input_ids[0].tolist()) == "add two numbersdef add"
+    with pytest.raises(UsageError, match="quantize.calibration.data: .*missing.txt does not exist"):
+        build_calibration(tok, [str(tmp_path / "missing.txt")], 1, 16)
+
+
 def test_mtq_config_adds_kv_cache_quantizers():
     cfg = mtq_config("fp8", "fp8")
     names = [e.get("quantizer_name") for e in cfg["quant_cfg"]] if isinstance(cfg["quant_cfg"], list) \

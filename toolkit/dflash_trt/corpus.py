@@ -8,7 +8,9 @@ Data specs (`--data`, repeatable):
   in a fixed order;
 - `builtin:chat`: the short chat prompts of `dflash_trt.prompts`, answered by the target;
 - `builtin:code-prompts`: HumanEval-style prompts (a signature and docstring to complete) and
-  "write a function" requests, written from standard-library functions, answered by the target.
+  "write a function" requests, written from standard-library functions, answered by the target;
+- `builtin:method-prompts`: the same three forms written from standard-library class methods
+  (about 2,900 more prompts), answered by the target.
 
 HumanEval is the evaluation set: any sample that contains one of its prompts' signatures is
 refused (`check_no_humaneval`). No torch at import time.
@@ -30,7 +32,8 @@ from dflash_trt.errors import DflashTrtError, UsageError
 STDLIB = "builtin:python-stdlib"
 CHAT = "builtin:chat"
 CODE_PROMPTS = "builtin:code-prompts"
-BUILTINS = (STDLIB, CHAT, CODE_PROMPTS)
+METHOD_PROMPTS = "builtin:method-prompts"
+BUILTINS = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)
 # Test suites and vendored third-party code are not "the standard library as users write it".
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3",
                     "ensurepip", "turtledemo"}
@@ -88,19 +91,36 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def _stdlib_functions() -> Iterator[tuple[str, ast.FunctionDef]]:
-    """(module name, function node) for public, documented stdlib functions, in a fixed order."""
+def _stdlib_trees() -> Iterator[tuple[str, ast.Module]]:
+    """(module name, parsed tree) of every standard-library file that parses, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for path in stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
         except (SyntaxError, ValueError):
             continue
-        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        yield ".".join(path.relative_to(root).with_suffix("").parts), tree
+
+
+def _stdlib_functions() -> Iterator[tuple[str, ast.FunctionDef]]:
+    """(module name, function node) for public, documented stdlib functions, in a fixed order."""
+    for module, tree in _stdlib_trees():
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") \
                     and ast.get_docstring(node) and len(ast.get_docstring(node)) >= 20:
                 yield module, node
+
+
+def _stdlib_methods() -> Iterator[tuple[str, ast.FunctionDef]]:
+    """(class name, method node) for public, documented methods of public stdlib classes."""
+    for _, tree in _stdlib_trees():
+        for cls in tree.body:
+            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
+                continue
+            for node in cls.body:
+                if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") \
+                        and len(ast.get_docstring(node) or "") >= 40:
+                    yield cls.name, node
 
 
 def _short_doc(doc: str, limit: int = 600) -> str:
@@ -146,6 +166,24 @@ def code_prompts() -> list[str]:
     return prompts
 
 
+def method_prompts() -> list[str]:
+    """Prompts written from standard-library class methods, in code_prompts' three forms."""
+    import random
+
+    prompts = []
+    for i, (cls, node) in enumerate(_stdlib_methods()):
+        stub = _stub(node)
+        first = _short_doc(ast.get_docstring(node), 300).split("\n\n")[0].replace("\n", " ")
+        if i % 3 == 0:
+            prompts.append(f"Complete this method of the Python class `{cls}`.\n\n{stub}")
+        elif i % 3 == 1:
+            prompts.append(f"Write the method `{cls}.{node.name}` in Python.\n\n{stub}")
+        else:
+            prompts.append(f"Write a Python function `{node.name}`. {first}")
+    random.Random(1).shuffle(prompts)
+    return prompts
+
+
 def _read_jsonl(path: Path) -> Iterator[Sample]:
     source = str(path)
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -179,8 +217,8 @@ def iter_samples(spec: str) -> Iterator[Sample]:
     elif spec == CHAT:
         for prompt in prompts.CHAT_PROMPTS:
             yield Sample(spec, prompt=prompt)
-    elif spec == CODE_PROMPTS:
-        for prompt in code_prompts():
+    elif spec in (CODE_PROMPTS, METHOD_PROMPTS):
+        for prompt in code_prompts() if spec == CODE_PROMPTS else method_prompts():
             yield Sample(spec, prompt=prompt)
     elif spec.startswith("builtin:"):
         raise UsageError(f"unknown data set {spec!r}; choose one of {', '.join(BUILTINS)} "

@@ -22,7 +22,6 @@ import copy
 import hashlib
 import json
 import shutil
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +42,6 @@ CPU_NVFP4_BACKEND = "dflash_trt_nvfp4_torch"
 _MODEL_FILES = {"config.json", "generation_config.json", "hf_quant_config.json",
                 "model.safetensors.index.json"}
 DRAFTER_ANCHORS_PER_SEQ = 4
-STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 
 
 # --- calibration data -----------------------------------------------------------------------
@@ -62,36 +60,22 @@ class CalibrationData:
         return int(self.input_ids.shape[0])
 
 
-def stdlib_sources() -> Iterator[Path]:
-    """The running Python's standard-library .py files (no tests), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if not STDLIB_SKIP_DIRS.intersection(rel[:-1]) and not rel[-1].startswith("test_"):
-            yield path
-
-
 def _texts(spec: str, tokenizer, chat_template: bool) -> Iterator[str]:
-    from dflash_trt import prompts
+    """Calibration texts of one data spec (the training corpus's specs): documents as they are,
+    prompts chat-templated when asked (followed by their response when the data has one)."""
+    from dflash_trt import corpus
 
-    if spec == "builtin:python-stdlib":
-        for path in stdlib_sources():
-            yield path.read_text(encoding="utf-8", errors="replace")
-    elif spec == "builtin:chat":
-        for prompt in prompts.CHAT_PROMPTS:
-            if chat_template and tokenizer.chat_template:
-                yield tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                    tokenize=False, add_generation_prompt=True)
-            else:
-                yield prompt
-    else:
-        path = Path(spec)
-        if not path.is_file():
-            raise UsageError(f"quantize.calibration.data: {spec} does not exist")
-        if path.suffix == ".jsonl":
-            yield from prompts.read_prompt_file(path)
-        else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+    if spec not in corpus.BUILTINS and not Path(spec).is_file():
+        raise UsageError(f"quantize.calibration.data: {spec} does not exist")
+    for sample in corpus.iter_samples(spec):
+        if sample.text is not None:
+            yield sample.text
+            continue
+        prompt = sample.prompt
+        if chat_template and tokenizer.chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   tokenize=False, add_generation_prompt=True)
+        yield prompt + (sample.response or "")
 
 
 def build_calibration(tokenizer, data: list[str], calib_size: int, seq_len: int,

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from dflash_trt import corpus
 from dflash_trt.errors import RecipeError
 
 Hardware = Literal["cpu", "sm90", "sm100", "sm103", "sm120"]
@@ -32,7 +33,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 BLACKWELL_FP4 = ("sm100", "sm103")  # FP4 tensor-core GEMMs that TensorRT-LLM serves NVFP4 with
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BUILTIN_PROMPTS = ("builtin:humaneval", "builtin:chat")
-BUILTIN_DATA = ("builtin:python-stdlib", "builtin:chat", "builtin:code-prompts")
+BUILTIN_DATA = corpus.BUILTINS
 MAX_YAML_NODES = 20_000  # far above any real recipe; stops alias bombs before they expand
 
 
@@ -174,7 +175,8 @@ class ModelQuant(Section):
 class Calibration(Section):
     data: list[DataSource] = Field(default_factory=lambda: ["builtin:python-stdlib"],
                                    min_length=1, description="Calibration text: text/.jsonl "
-                                   "files or builtin:python-stdlib / builtin:chat / builtin:code-prompts.")
+                                   "files or builtin:python-stdlib / builtin:chat / builtin:code-prompts / "
+                                   "builtin:method-prompts.")
     calib_size: int = Field(64, ge=1, description="Number of calibration sequences.")
     seq_len: int = Field(256, ge=8, description="Tokens per calibration sequence.")
     batch_size: int = Field(4, ge=1, description="Calibration batch size.")

@@ -112,7 +112,8 @@ def write_curves(history, path: Path) -> None:
 @click.option("--init-from-target", is_flag=True, help="Copy target decoder layers into a new drafter.")
 @click.option("--mask-token-id", type=int, help="MASK token id of a new drafter (default: per tokenizer).")
 @click.option("--data", "data", multiple=True, required=True,
-              help="Text/.jsonl file, builtin:python-stdlib, builtin:chat or builtin:code-prompts "
+              help="Text/.jsonl file, builtin:python-stdlib, builtin:chat, builtin:code-prompts or "
+                   "builtin:method-prompts "
                    "(repeatable).")
 @click.option("--heldout", multiple=True, help="Held-out prompts (.txt/.jsonl/builtin:chat) the "
               "target answers; the acceptance estimate replays decoding on them.")
