@@ -17,10 +17,13 @@ class CharTokenizer:
     chat_template = "x"
 
     def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % 128 for c in text]}
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 128 for c in text]
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        return [1] + [ord(c) % 128 for c in messages[0]["content"]] + [2]
+        return "\x01" + messages[0]["content"] + "\x02"  # the markers encode as tokens 1 and 2
 
 
 def test_jsonl_rows_text_pairs_and_prompts(tmp_path):

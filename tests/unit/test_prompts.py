@@ -47,3 +47,24 @@ def test_unknown_builtin_and_missing_file(tmp_path):
         load_prompts("builtin:nope")
     with pytest.raises(UsageError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.txt"))
+
+
+class _Tok:
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return f"<u>{messages[0]['content']}</u>"
+
+
+def test_encode_prompt_is_plain_or_templated_and_refuses_a_missing_template():
+    from dflash_trt.prompts import encode_prompt
+
+    tok = _Tok()
+    assert encode_prompt(tok, "hi", chat=False) == [0, ord("h"), ord("i")]
+    with pytest.raises(UsageError, match="no chat template"):
+        encode_prompt(tok, "hi", chat=True)
+    tok.chat_template = "set"
+    assert encode_prompt(tok, "hi", chat=True) == [ord(c) for c in "<u>hi</u>"]  # no BOS twice

@@ -296,14 +296,11 @@ def check_no_humaneval(samples: Iterable[Sample]) -> None:
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the engine sends it: the chat template with the generation prompt."""
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    """The prompt as a server sends it by default: in the chat template when the tokenizer has
+    one, else plainly encoded (prompts.encode_prompt either way)."""
+    from dflash_trt.prompts import encode_prompt
+
+    return encode_prompt(tokenizer, prompt, chat=bool(getattr(tokenizer, "chat_template", None)))
 
 
 def tokenize_samples(samples: Iterable[Sample], tokenizer, *, max_len: int,

@@ -18,6 +18,21 @@ from dflash_trt.errors import UsageError
 HUMANEVAL = "builtin:humaneval"
 CHAT = "builtin:chat"
 
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt as every engine, training and the benchmarks send it.
+
+    chat=True: a one-turn user message in the tokenizer's chat template, with the generation
+    prompt (a UsageError when the tokenizer has none); chat=False: the tokenizer's plain encoding.
+    """
+    if not chat:
+        return list(tokenizer.encode(prompt))
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("this tokenizer has no chat template; run without chat")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
 # Short, varied requests: code, explanation, lists, rewriting. Written for this project.
 CHAT_PROMPTS: tuple[str, ...] = (
     "Write a Python function that returns the n-th Fibonacci number iteratively.",

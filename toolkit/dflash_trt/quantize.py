@@ -316,13 +316,12 @@ def export_drafter(drafter, fmt: str, src_dir: Path, out: Path) -> None:
 
 
 def torch_device(recipe):
-    """The device build stages compute on: CUDA for GPU hardware when present, else CPU."""
+    """The device build stages compute on (see engines.compile.build_device)."""
     import torch
 
-    want = recipe.engine.device
-    if want == "cuda" or (want == "auto" and recipe.hardware != "cpu" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
+    from dflash_trt.engines.compile import build_device
+
+    return torch.device(build_device(recipe.engine.device, recipe.hardware))
 
 
 def _copy_dir(src: Path, dst: Path) -> None:

@@ -50,6 +50,16 @@ def resolve_device(device: str, hardware: str) -> str:
     return "cpu" if hardware == "cpu" else "cuda"
 
 
+def build_device(device: str, hardware: str) -> str:
+    """Where build stages (quantize, verify, the smoke test) compute: the recipe's device when
+    this machine has it, else the CPU. A GPU recipe may be built without a GPU; the artifacts are
+    the same either way."""
+    import torch
+
+    want = resolve_device(device, hardware)
+    return want if want == "cpu" or torch.cuda.is_available() else "cpu"
+
+
 def run_compile_stage(ctx) -> dict:
     """Write ctx.out/engine.yaml and the checkpoints it names; smoke-test the torch engine."""
     recipe = ctx.recipe
@@ -113,13 +123,10 @@ def _write_trtllm_options(recipe, engine_dir: Path) -> Path:
 
 def smoke_test(engine_dir: Path, spec: EngineSpec) -> dict:
     """Load the torch engine from engine_dir and generate a few greedy tokens."""
-    import torch
-
     from dflash_trt.engines import load_engine
     from dflash_trt.engines.base import SamplingParams, collect
 
-    # A GPU recipe may be built on a machine without one; the artifact is the same either way.
-    device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
+    device = build_device(spec.device, "cpu")
     start = time.perf_counter()
     engine = load_engine(engine_dir, device=device)
     ids = engine.tokenize(SMOKE_PROMPT, chat=False)

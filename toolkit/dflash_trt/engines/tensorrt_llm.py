@@ -338,13 +338,10 @@ class TrtllmEngine:
         return cls(llm, tokenizer, files, bridge, trtllm)
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of `prompt`, through the target's chat template when `chat`."""
-        if chat:
-            text = self._tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(self._tokenizer.encode(prompt))
+        """Token ids of `prompt` (see prompts.encode_prompt)."""
+        from dflash_trt.prompts import encode_prompt
+
+        return encode_prompt(self._tokenizer, prompt, chat)
 
     async def astream(
         self, prompt_ids: Sequence[int], params: SamplingParams

@@ -15,6 +15,7 @@ from pathlib import Path
 from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
 from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.prompts import encode_prompt
 
 # float64 exists for exactness checks: with fake-quantized activations, float32 rounding that
 # depends on the matmul shape (1-token decode vs k-token verify) can flip a quantization step.
@@ -133,14 +134,8 @@ class TorchEngine:
                    max_seq_len=max_seq_len)
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids for a prompt; with chat=True, a one-turn user message in the chat template."""
-        if not chat:
-            return list(self.tokenizer.encode(prompt))
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UsageError("this tokenizer has no chat template; run without chat")
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids for a prompt (see prompts.encode_prompt)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:
