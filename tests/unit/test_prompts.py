@@ -68,3 +68,14 @@ def test_encode_prompt_is_plain_or_templated_and_refuses_a_missing_template():
         encode_prompt(tok, "hi", chat=True)
     tok.chat_template = "set"
     assert encode_prompt(tok, "hi", chat=True) == [ord(c) for c in "<u>hi</u>"]  # no BOS twice
+
+
+def test_jsonl_rows_must_be_objects_for_prompts_and_training_data(tmp_path):
+    from dflash_trt import corpus
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"prompt": "ok"}\n\n[1, 2]\n')
+    with pytest.raises(UsageError, match=r"rows.jsonl:3: expected a JSON object, got list"):
+        load_prompts(str(f))
+    with pytest.raises(UsageError, match=r"rows.jsonl:3: expected a JSON object, got list"):
+        corpus.load_samples([str(f)])

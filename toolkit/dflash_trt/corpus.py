@@ -185,16 +185,10 @@ def method_prompts() -> list[str]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Sample]:
+    from dflash_trt.prompts import iter_jsonl
+
     source = str(path)
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{i}: invalid JSON ({exc.msg}); one object per line") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"{path}:{i}: expected a JSON object with 'text' or 'prompt'")
+    for i, row in iter_jsonl(path.read_text(encoding="utf-8").splitlines(), source):
         text, prompt, response = row.get("text"), row.get("prompt"), row.get("response")
         ids = row.get("response_ids")
         if isinstance(text, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dflash_trt.errors import UsageError
@@ -66,8 +67,8 @@ def humaneval_path() -> Path:
     return path
 
 
-def _read_jsonl(lines: list[str], where: str) -> list[str]:
-    prompts = []
+def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line; a UsageError names the line otherwise."""
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -75,7 +76,15 @@ def _read_jsonl(lines: list[str], where: str) -> list[str]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{where}:{i}: invalid JSON ({exc.msg}); one object per line") from None
-        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(row, dict):
+            raise UsageError(f"{where}:{i}: expected a JSON object, got {type(row).__name__}")
+        yield i, row
+
+
+def _read_jsonl(lines: Iterable[str], where: str) -> list[str]:
+    prompts = []
+    for i, row in iter_jsonl(lines, where):
+        text = row.get("prompt", row.get("text"))
         if not isinstance(text, str):
             raise UsageError(f"{where}:{i}: expected an object with a string field "
                              "'prompt' (or 'text')")
