@@ -84,8 +84,15 @@ class StubTarget:
         hidden = self.log_probs[ids]  # (B, T, V): "hidden" is already the logits
         return hidden, (self.embed(ids) if capture else None)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
     def logits(self, hidden):
         return hidden.float()
+
+    def logits_rows(self, hidden, ids):
+        return hidden.float()[..., ids]
 
 
 def chain_target(vocab: int = 16) -> StubTarget:
@@ -100,6 +107,8 @@ class StubDrafter(nn.Module):
 
     With `logits` given instead, every draft position uses those fixed logits rows (B-1 x V).
     """
+
+    draft_vocab = None  # drafts over the whole vocabulary unless a test sets a tensor of ids
 
     def __init__(self, vocab: int, *, correct: int = 10**9, logits: torch.Tensor | None = None):
         super().__init__()
@@ -130,6 +139,8 @@ class OracleDrafter(nn.Module):
     At each block, the number of correct drafts cycles through 0..B-1 so that every acceptance
     length occurs; the hidden state for token t is the LM-head row of t (argmax-checked).
     """
+
+    draft_vocab = None
 
     def __init__(self, target, reference: list[int], block_size: int):
         super().__init__()

@@ -58,6 +58,22 @@ def test_save_and_reload_gives_identical_drafts(tmp_path):
     assert torch.equal(_draft(drafter), _draft(reloaded))
 
 
+def test_draft_vocabulary_is_saved_beside_the_reference_weights(tmp_path):
+    drafter = tiny_drafter(tiny_target("qwen3"), block_size=4)
+    keys = set(drafter.state_dict())
+    drafter.set_draft_vocab([1, 5, 9])
+    assert set(drafter.state_dict()) == keys  # model.safetensors keeps the reference keys
+    drafter.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "draft_vocab.json").read_text()) == {"token_ids": [1, 5, 9]}
+    assert DFlashDraftModel.from_pretrained(tmp_path).draft_vocab.tolist() == [1, 5, 9]
+    (tmp_path / "draft_vocab.json").write_text('{"token_ids": [5, 1]}')
+    with pytest.raises(DflashTrtError, match="strictly increasing"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "draft_vocab.json").write_text('[1, 2]')
+    with pytest.raises(DflashTrtError, match="expected"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
 def test_injected_context_in_pieces_equals_all_at_once():
     """KV injection through the cache: context fed in two steps drafts the same block."""
     drafter = tiny_drafter(tiny_target(), block_size=4, target_layer_ids=[0, 3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from train_fixtures import greedy_sequences, setup
 
 from dflash_trt.corpus import TokenSequence
@@ -20,15 +21,19 @@ def test_replay_counts_like_generate():
     assert replay(right, greedy, 4, 8, {7}) == [2]  # stops at the stop token
 
 
-def test_estimate_equals_real_generation(tmp_path):
+@pytest.mark.parametrize("vocab_limit", [0, 40])
+def test_estimate_equals_real_generation(tmp_path, vocab_limit):
+    """Also for a drafter with a draft vocabulary (--vocab-limit): both draft only from it."""
     model, target, drafter = setup(block_size=4)
     # Train a little so that acceptance lengths are spread over 1..block_size.
     config = TrainConfig(steps=25, batch_size=4, lr=3e-3, warmup_steps=3, block_size=4,
-                         anchors_per_seq=8, checkpoint_every=0, eval_every=0)
+                         anchors_per_seq=8, checkpoint_every=0, eval_every=0,
+                         vocab_limit=vocab_limit)
     data = OnTheFlyFeatures(target, greedy_sequences(model, 16))
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     Trainer(drafter, embed, head, data, config, tmp_path / "run").run()
     drafter.eval()
+    assert (drafter.draft_vocab is None) == (vocab_limit == 0)
     prompts = [list(s.ids[:4]) for s in greedy_sequences(model, 6, seed=7, new_tokens=1)]
     real_lengths, held = [], []
     for prompt in prompts:

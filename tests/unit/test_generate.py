@@ -46,6 +46,29 @@ def test_random_drafter_is_lossless_and_equals_hf_generate(family_setup, block_s
         assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
 
 
+def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(family_setup, monkeypatch):
+    model, prompts, refs = family_setup
+    drafter = tiny_drafter(model, block_size=4, target_layer_ids=[0, 2])
+    vocab = torch.arange(0, 128, 3)  # every third token id
+    drafter.set_draft_vocab(vocab)
+    target = HFTarget(model, drafter.target_layer_ids)
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(target.logits_rows(hidden, vocab), target.logits(hidden)[:, vocab])
+    drafted = []
+    real = gen.draft_block
+
+    def spy(*args, **kwargs):
+        drafts, q = real(*args, **kwargs)
+        drafted.extend(drafts)
+        return drafts, q
+
+    monkeypatch.setattr(gen, "draft_block", spy)
+    for prompt, ref in zip(prompts, refs, strict=True):
+        tokens, _ = gen.generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, block_size=4)
+        assert tokens == ref
+    assert drafted and set(drafted) <= set(vocab.tolist())
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES[1:])
 def test_oracle_drafter_with_every_acceptance_length_is_lossless(family_setup, block_size):
     """Drafts right for 0..B-1 positions in turn: the target cache is cropped at every length."""
@@ -150,10 +173,13 @@ def _bigram_chi_square(tokens: list[int], expected_probs: torch.Tensor) -> float
     return float(chi2.sf(stat, dof))
 
 
-def _sample_tokens(temperature: float, top_k: int, seed: int) -> tuple[list[int], torch.Tensor]:
+def _sample_tokens(temperature: float, top_k: int, seed: int,
+                   draft_vocab: tuple[int, ...] | None = None) -> tuple[list[int], torch.Tensor]:
     p_logits, q_logits = _markov(seed)
     target = StubTarget(p_logits)
     drafter = StubDrafter(V, logits=q_logits)
+    if draft_vocab is not None:
+        drafter.draft_vocab = torch.tensor(draft_vocab)
     sampler = Sampler(temperature, top_k, 1.0, torch.Generator().manual_seed(seed))
     tokens, stats = gen.generate(target, drafter, [0], max_new_tokens=12000, block_size=8,
                                  sampler=sampler)
@@ -161,10 +187,12 @@ def _sample_tokens(temperature: float, top_k: int, seed: int) -> tuple[list[int]
     return [0, *tokens], sampler.probs(p_logits)
 
 
-@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 4)])
-def test_sampling_is_lossless_by_chi_square(temperature, top_k):
+@pytest.mark.parametrize(("temperature", "top_k", "draft_vocab"),
+                         [(1.0, 0, None), (0.7, 4, None), (1.0, 0, (0, 2, 3, 5))])
+def test_sampling_is_lossless_by_chi_square(temperature, top_k, draft_vocab):
+    """Also with a draft vocabulary: q is 0 outside it, the output still follows the target."""
     pytest.importorskip("scipy")
-    tokens, expected = _sample_tokens(temperature, top_k, seed=3)
+    tokens, expected = _sample_tokens(temperature, top_k, seed=3, draft_vocab=draft_vocab)
     assert _bigram_chi_square(tokens, expected) > 1e-3
 
 

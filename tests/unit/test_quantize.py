@@ -152,10 +152,12 @@ def test_quantize_stage_writes_linted_nvfp4_target_and_drafter(tmp_path):
     from dflash_trt.dflash.drafter import DFlashDraftModel
 
     write_resolved(tmp_path / "tiny" / "resolved")
+    (tmp_path / "tiny" / "resolved" / "drafter" / "draft_vocab.json").write_text('{"token_ids": [3, 4]}')
     ctx = stage_context(make_recipe(tmp_path), "quantized")
     info = run_quantize_stage(ctx)
     assert info["calibration"]["num_sequences"] == 4 and len(info["calibration"]["sha256"]) == 64
     drafter_dir = ctx.out / "drafter"
+    assert (drafter_dir / "draft_vocab.json").read_text() == '{"token_ids": [3, 4]}'  # kept
     assert qf.read_quant_config(drafter_dir).quant_algo == "NVFP4"
     assert tensors(drafter_dir)["fc.weight"].dtype == torch.uint8
     drafter = DFlashDraftModel.from_pretrained(

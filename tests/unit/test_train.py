@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -138,6 +139,9 @@ def test_vocab_limit_trains_on_frequent_labels(tmp_path):
     assert trainer.head.shape[0] == 20 and int((trainer.label_map >= 0).sum()) == 20
     history = trainer.run()
     assert all(torch.isfinite(torch.tensor(s.loss)) for s in history.steps)
+    kept = torch.nonzero(trainer.label_map >= 0).flatten().tolist()
+    saved = json.loads((tmp_path / "checkpoints" / "step-000003" / "draft_vocab.json").read_text())
+    assert trainer.drafter.draft_vocab.tolist() == kept == saved["token_ids"]  # drafts what it learned
 
 
 def test_store_matches_on_the_fly_features(tmp_path):

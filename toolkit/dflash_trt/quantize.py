@@ -299,6 +299,8 @@ def export_drafter(drafter, fmt: str, src_dir: Path, out: Path) -> None:
     """Write a calibrated drafter in the reference format plus its quantization config."""
     from safetensors.torch import load_file, save_file
 
+    from dflash_trt.dflash.drafter import DRAFT_VOCAB_FILE
+
     plain = {}
     for f in sorted(src_dir.glob("*.safetensors")):
         plain.update(load_file(str(f)))
@@ -310,6 +312,8 @@ def export_drafter(drafter, fmt: str, src_dir: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "hf_quant_config.json").write_text(json.dumps(qcfg, indent=4) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if (src_dir / DRAFT_VOCAB_FILE).is_file():  # the tokens it drafts: unchanged by quantization
+        shutil.copyfile(src_dir / DRAFT_VOCAB_FILE, out / DRAFT_VOCAB_FILE)
 
 
 # --- the stage ------------------------------------------------------------------------------

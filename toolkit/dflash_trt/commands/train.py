@@ -126,7 +126,8 @@ def write_curves(history, path: Path) -> None:
 @click.option("--anchors-per-seq", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--gamma", default=7.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
 @click.option("--vocab-limit", default=8192, show_default=True, type=click.IntRange(0),
-              help="Softmax over the N most frequent labels while training (0: full vocabulary).")
+              help="Softmax over the N most frequent labels while training; the drafter then "
+                   "drafts only those tokens (draft_vocab.json). 0: the full vocabulary.")
 @click.option("--max-len", default=512, show_default=True, type=click.IntRange(16),
               help="Tokens per training sequence.")
 @click.option("--max-samples", type=click.IntRange(1), help="At most N samples per data source.")

@@ -8,6 +8,12 @@ holds `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm
 `norm.weight`, `fc.weight`, `hidden_norm.weight`. The drafter has no embedding or LM head: it
 borrows the target's.
 
+Optional `draft_vocab.json` (`{"token_ids": [...]}`, sorted): the drafter drafts only these tokens,
+through those rows of the target's LM head (a drafter trained with `--vocab-limit` never learned
+the others). Drafting costs a sixth of the head on SmolLM2 (8,192 of 49,152 rows); verification
+always uses the whole vocabulary, so output is unchanged. Readers that do not know the file draft
+over the whole vocabulary.
+
 Mask token id, when not given (`choose_mask_token_id`):
 - Qwen3 family (embedding 151936 rows, tokenizer 151669 tokens): 151669, the first embedding row
   past the tokenizer, exactly what the reference drafters use.
@@ -31,6 +37,7 @@ from torch import nn
 from dflash_trt.errors import DflashTrtError
 
 ARCHITECTURE = "DFlashDraftModel"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 # Generic PretrainedConfig fields that mean nothing for a drafter; left out of config.json.
 _CONFIG_NOISE = {"_name_or_path", "id2label", "label2id", "chunk_size_feed_forward",
                  "problem_type", "is_encoder_decoder", "return_dict", "output_attentions",
@@ -195,6 +202,20 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # inv_freq is a non-persistent buffer
         # Inference through the DFlash plugin ops; False keeps the plain torch path (same tokens).
         self.use_ops = True
+        # (K,) token ids this drafter drafts, or None for the whole vocabulary. A buffer so that it
+        # follows .to(device), but not persistent: model.safetensors keeps the reference keys.
+        self.register_buffer("draft_vocab", None, persistent=False)
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Draft only these token ids (None: the whole vocabulary)."""
+        if token_ids is None:
+            self.draft_vocab = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or not bool((ids[1:] > ids[:-1]).all()):
+            raise DflashTrtError(f"{DRAFT_VOCAB_FILE}: token_ids must be non-empty, "
+                                 "non-negative and strictly increasing")
+        self.draft_vocab = ids.to(self.fc.weight.device)
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
@@ -264,6 +285,8 @@ class DFlashDraftModel(nn.Module):
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if self.draft_vocab is not None:
+            write_draft_vocab(out, self.draft_vocab.tolist())
 
     @classmethod
     def from_pretrained(cls, path: Path | str, *, state_dict: dict | None = None,
@@ -277,7 +300,26 @@ class DFlashDraftModel(nn.Module):
         if missing or unexpected:
             raise DflashTrtError(f"{path}: not a DFlash drafter checkpoint (missing keys "
                                  f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+        model.set_draft_vocab(read_draft_vocab(path))
         return model.to(device=device, dtype=dtype).eval()
+
+
+def write_draft_vocab(out: Path, token_ids: list[int]) -> None:
+    (Path(out) / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": list(token_ids)}) + "\n")
+
+
+def read_draft_vocab(path: Path) -> list[int] | None:
+    """The token ids of `path/draft_vocab.json`, or None when the drafter has no such file."""
+    file = Path(path) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError):
+        raise DflashTrtError(f"{file}: expected {{\"token_ids\": [sorted token ids]}}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise DflashTrtError(f"{file}: token_ids must be a list of integers")
+    return ids
 
 
 @functools.cache

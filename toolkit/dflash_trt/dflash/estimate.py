@@ -75,6 +75,8 @@ def estimate_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sto
     was_training = drafter.training
     drafter.eval()
     stops = set(stop_token_ids)
+    vocab = drafter.draft_vocab  # as generate drafts: only the drafter's vocabulary, if it has one
+    head = lm_head if vocab is None else lm_head[vocab]  # (V or K, H)
     all_lengths, per_seq = [], []
     count = len(store) if max_sequences is None else min(max_sequences, len(store))
     for i in range(count):
@@ -89,7 +91,8 @@ def estimate_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sto
                               block_size) if known > 1 else None  # (1, G-1, Bs, H)
 
         def drafts_at(m: int, k: int, hidden=hidden) -> list[int]:
-            return (hidden[0, m, 1:k + 1] @ lm_head.T).argmax(-1).tolist()  # (k,)
+            picks = (hidden[0, m, 1:k + 1] @ head.T).argmax(-1)  # (k,)
+            return (picks if vocab is None else vocab[picks]).tolist()
 
         lengths = replay(drafts_at, greedy, block_size, max_new_tokens, stops)
         all_lengths.extend(lengths)

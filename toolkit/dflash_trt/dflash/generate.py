@@ -84,11 +84,19 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     block[0, 0] = token
     hidden = drafter(target.embed(block), context, cache)  # (1, B, H)
     cache.crop(start)  # keep the injected context, drop the block's own keys
-    logits = target.logits(hidden[0, 1:k + 1])  # (k, V): only the drafts we will verify
+    vocab = drafter.draft_vocab  # (K,) or None: the tokens this drafter drafts
+    drafted = hidden[0, 1:k + 1]  # (k, H): only the drafts we will verify
+    logits = target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
     if sampler.greedy:
-        return logits.argmax(dim=-1).tolist(), None
-    q = sampler.probs(logits)  # (k, V)
-    return sampler.draw(q).tolist(), q
+        picks = logits.argmax(dim=-1)  # (k,)
+        return (picks if vocab is None else vocab[picks]).tolist(), None
+    q = sampler.probs(logits)  # (k, V) or (k, K)
+    picks = sampler.draw(q)  # (k,)
+    if vocab is None:
+        return picks.tolist(), q
+    full = q.new_zeros(k, target.vocab_size)  # q over the whole vocabulary: 0 outside `vocab`
+    full[:, vocab] = q
+    return vocab[picks].tolist(), full
 
 
 def accept_greedy(logits: _LazyLogits, drafts: list[int]) -> tuple[int, int]:

@@ -21,6 +21,7 @@ class HFTarget:
         self.embed_tokens = model.get_input_embeddings()
         self.layer_ids = list(layer_ids or [])
         self._captured: dict[int, torch.Tensor] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, their head rows)
         layers = self.base.layers
         for layer_id in self.layer_ids:
             layers[layer_id].register_forward_hook(self._hook(layer_id))
@@ -59,5 +60,19 @@ class HFTarget:
             features = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # (B, T, k*H)
         return out.last_hidden_state, features
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (..., H) -> (..., V)
+
+    def logits_rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the token ids `ids` (K,) only: (..., H) -> (..., K), through a copy of those
+        LM-head rows made on first use (a plain, bias-free head; any other head is sliced)."""
+        head = self.lm_head
+        if type(head) is not nn.Linear or head.bias is not None:
+            return self.logits(hidden)[..., ids]
+        if self._rows is None or self._rows[0] is not ids:
+            self._rows = (ids, head.weight.detach()[ids].contiguous())  # (K, H)
+        return (hidden @ self._rows[1].T).float()

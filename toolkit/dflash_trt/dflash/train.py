@@ -254,7 +254,8 @@ class Trainer:
             keep, self.label_map = frequent_labels(data.label_counts(vocab), config.vocab_limit)
             self.head = lm_head.detach()[keep].clone()  # (K, H)
         else:
-            self.head, self.label_map = lm_head.detach(), None  # (V, H)
+            keep, self.head, self.label_map = None, lm_head.detach(), None  # (V, H)
+        drafter.set_draft_vocab(keep)  # it drafts what it learned: saved as draft_vocab.json
         decay = [p for name, p in drafter.named_parameters() if p.ndim >= 2]
         no_decay = [p for name, p in drafter.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
