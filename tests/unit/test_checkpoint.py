@@ -136,6 +136,21 @@ def test_flags_drafter_target_mismatch(tmp_path, kwargs, expect):
     assert expect in messages(lint_drafter_compat(write_drafter(tmp_path / "d", **kwargs), target))
 
 
+@pytest.mark.parametrize("content, expect", [
+    ('{"token_ids": [1, 2, 127]}', None),
+    ('{"token_ids": [1, 2, 128]}', "token id 128 is outside the target vocabulary (128)"),
+    ('{"token_ids": [3, 2]}', "strictly increasing"),
+    ('{"ids": [1]}', "strictly increasing"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_flags_a_draft_vocabulary_that_does_not_fit(tmp_path, content, expect):
+    target = write_ckpt(tmp_path / "t", nvfp4_tensors())
+    drafter = write_drafter(tmp_path / "d")
+    (drafter / "draft_vocab.json").write_text(content)
+    out = messages(lint_drafter_compat(drafter, target))
+    assert (expect in out) if expect else "draft_vocab" not in out
+
+
 def test_cli_exit_codes_and_one_line_per_finding(tmp_path):
     runner = CliRunner()
     target = write_ckpt(tmp_path / "t", nvfp4_tensors())

@@ -72,6 +72,13 @@ def test_draft_vocabulary_is_saved_beside_the_reference_weights(tmp_path):
     (tmp_path / "draft_vocab.json").write_text('[1, 2]')
     with pytest.raises(DflashTrtError, match="expected"):
         DFlashDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "draft_vocab.json").write_text('{"token_ids": [1, 128]}')  # vocab_size 128
+    with pytest.raises(DflashTrtError, match="outside the vocabulary"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+    drafter.set_draft_vocab(None)
+    drafter.save_pretrained(tmp_path)  # no vocabulary now: no stale file either
+    assert not (tmp_path / "draft_vocab.json").exists()
+    assert DFlashDraftModel.from_pretrained(tmp_path).draft_vocab is None
 
 
 def test_injected_context_in_pieces_equals_all_at_once():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # optional: the tokens a drafter drafts (dflash.drafter)
 NVFP4_BLOCK = 16
 
 # safetensors dtype name -> bytes per element
@@ -331,12 +332,29 @@ def lint_drafter_compat(drafter_dir: str | Path, target_dir: str | Path) -> list
     block = dcfg.get("block_size")
     if not isinstance(block, int) or block < 2:
         findings.append(Finding(where, f"block_size {block!r}; needs an integer >= 2"))
+    findings += _lint_draft_vocab(drafter_dir / DRAFT_VOCAB_FILE, vocab)
     tensors, _ = read_tensor_infos(drafter_dir)
     fc_in = _logical_in_features("fc", tensors)
     if fc_in is not None and hidden and ids and fc_in != len(ids) * hidden:
         findings.append(Finding("fc.weight", f"takes {fc_in} features; {len(ids)} target layers x "
                                 f"hidden {hidden} = {len(ids) * hidden}"))
     return findings
+
+
+def _lint_draft_vocab(path: Path, vocab: int | None) -> list[Finding]:
+    if not path.is_file():
+        return []
+    data, findings = _read_json(path)
+    ids = (data or {}).get("token_ids")
+    if findings:
+        return findings
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)
+            and ids[0] >= 0 and all(a < b for a, b in zip(ids, ids[1:], strict=False))):
+        return [Finding(str(path), "token_ids must be a non-empty, strictly increasing list of "
+                        "token ids")]
+    if vocab is not None and ids[-1] >= vocab:
+        return [Finding(str(path), f"token id {ids[-1]} is outside the target vocabulary ({vocab})")]
+    return []
 
 
 def lint_pair(target_dir: str | Path, drafter_dir: str | Path | None = None) -> list[Finding]:

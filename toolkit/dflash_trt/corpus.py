@@ -19,6 +19,7 @@ refused (`check_no_humaneval`). No torch at import time.
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import hashlib
 import json
@@ -142,7 +143,17 @@ def _stub(node: ast.FunctionDef) -> str:
     return f"def {node.name}({args}){returns}:\n    \"\"\"\n{body}\n    \"\"\"\n"
 
 
+@functools.cache
+def _code_prompts() -> tuple[str, ...]:
+    return tuple(_written_code_prompts())
+
+
 def code_prompts() -> list[str]:
+    """HumanEval-style prompts written from standard-library functions (see _written_code_prompts)."""
+    return list(_code_prompts())
+
+
+def _written_code_prompts() -> list[str]:
     """HumanEval-style prompts written from standard-library functions (deterministic order).
 
     Three forms alternate: a bare stub to complete, a stub with an instruction, and a one-line
@@ -166,8 +177,17 @@ def code_prompts() -> list[str]:
     return prompts
 
 
+@functools.cache
+def _method_prompts() -> tuple[str, ...]:
+    return tuple(_written_method_prompts())
+
+
 def method_prompts() -> list[str]:
     """Prompts written from standard-library class methods, in code_prompts' three forms."""
+    return list(_method_prompts())
+
+
+def _written_method_prompts() -> list[str]:
     import random
 
     prompts = []
@@ -188,7 +208,7 @@ def _read_jsonl(path: Path) -> Iterator[Sample]:
     from dflash_trt.prompts import iter_jsonl
 
     source = str(path)
-    for i, row in iter_jsonl(path.read_text(encoding="utf-8").splitlines(), source):
+    for i, row in iter_jsonl(path.read_text(encoding="utf-8").split("\n"), source):
         text, prompt, response = row.get("text"), row.get("prompt"), row.get("response")
         ids = row.get("response_ids")
         if isinstance(text, str):
@@ -352,7 +372,7 @@ def answer_prompts(model, tokenizer, prompts: Sequence[str], cache_file: Path, *
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     done: dict[str, dict] = {}
     if cache_file.exists():
-        for line in cache_file.read_text(encoding="utf-8").splitlines():
+        for line in cache_file.read_text(encoding="utf-8").split("\n"):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut by an interrupt: answer that prompt again

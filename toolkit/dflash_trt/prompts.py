@@ -98,7 +98,7 @@ def read_prompt_file(path: Path) -> list[str]:
         raise UsageError(f"prompt file {path} does not exist")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        return _read_jsonl(text.splitlines(), str(path))
+        return _read_jsonl(text.split("\n"), str(path))
     return [line for line in text.splitlines() if line.strip()]
 
 
@@ -109,7 +109,7 @@ def all_prompts(spec: str) -> list[str]:
     if spec == HUMANEVAL:
         path = humaneval_path()
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return _read_jsonl(f.read().splitlines(), str(path))
+            return _read_jsonl(f.read().split("\n"), str(path))
     if spec.startswith("builtin:"):
         raise UsageError(f"unknown prompt set {spec!r}; use {HUMANEVAL}, {CHAT} or a .txt/.jsonl file")
     return read_prompt_file(Path(spec))

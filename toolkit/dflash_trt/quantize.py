@@ -65,7 +65,7 @@ def _texts(spec: str, tokenizer, chat_template: bool) -> Iterator[str]:
     prompts chat-templated when asked (followed by their response when the data has one)."""
     from dflash_trt import corpus
 
-    if spec not in corpus.BUILTINS and not Path(spec).is_file():
+    if spec not in corpus.BUILTINS and not Path(spec).expanduser().is_file():
         raise UsageError(f"quantize.calibration.data: {spec} does not exist")
     for sample in corpus.iter_samples(spec):
         if sample.text is not None:

@@ -138,7 +138,8 @@ class DrafterInit(Section):
 
 class DrafterTrain(Section):
     data: list[DataSource] = Field(min_length=1, description="Training data: text/.jsonl files "
-                                   "or builtin:python-stdlib / builtin:chat.")
+                                   "or builtin:python-stdlib / builtin:chat / builtin:code-prompts / "
+                                   "builtin:method-prompts.")
     steps: int = Field(2000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Sequences per step.")
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate (cosine decay).")

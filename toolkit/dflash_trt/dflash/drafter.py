@@ -211,10 +211,14 @@ class DFlashDraftModel(nn.Module):
         if token_ids is None:
             self.draft_vocab = None
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().clone()
+        vocab = getattr(self.config, "vocab_size", None)
         if ids.numel() == 0 or int(ids.min()) < 0 or not bool((ids[1:] > ids[:-1]).all()):
             raise DflashTrtError(f"{DRAFT_VOCAB_FILE}: token_ids must be non-empty, "
                                  "non-negative and strictly increasing")
+        if vocab is not None and int(ids.max()) >= vocab:
+            raise DflashTrtError(f"{DRAFT_VOCAB_FILE}: token id {int(ids.max())} is outside the "
+                                 f"vocabulary ({vocab}); it belongs to another target")
         self.draft_vocab = ids.to(self.fc.weight.device)
 
     def new_cache(self) -> DraftCache:
@@ -287,6 +291,8 @@ class DFlashDraftModel(nn.Module):
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         if self.draft_vocab is not None:
             write_draft_vocab(out, self.draft_vocab.tolist())
+        else:
+            (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # never a stale one from an older save
 
     @classmethod
     def from_pretrained(cls, path: Path | str, *, state_dict: dict | None = None,

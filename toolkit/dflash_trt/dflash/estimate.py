@@ -75,7 +75,7 @@ def estimate_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sto
     was_training = drafter.training
     drafter.eval()
     stops = set(stop_token_ids)
-    vocab = drafter.draft_vocab  # as generate drafts: only the drafter's vocabulary, if it has one
+    vocab = getattr(drafter, "draft_vocab", None)  # as generate drafts: only the drafter's vocabulary, if it has one
     head = lm_head if vocab is None else lm_head[vocab]  # (V or K, H)
     all_lengths, per_seq = [], []
     count = len(store) if max_sequences is None else min(max_sequences, len(store))

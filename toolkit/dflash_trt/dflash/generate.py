@@ -1,9 +1,10 @@
 """DFlash speculative decoding, batch size 1: draft a block in one pass, verify it in one pass.
 
 The target is anything with `new_cache()`, `embed(ids)`, `forward(ids, cache, capture)` returning
-(final hidden, layer features | None), and `logits(hidden)` (see dflash.target.HFTarget). The
-drafter is a DFlashDraftModel (or any module with the same call, `new_cache()`, `mask_token_id`).
-Caches expose `crop(length)`.
+(final hidden, layer features | None), `logits(hidden)`, and for drafters with a draft vocabulary
+`logits_rows(hidden, ids)` and `vocab_size` (see dflash.target.HFTarget). The drafter is a
+DFlashDraftModel (or any module with the same call, `new_cache()`, `mask_token_id`, and optionally
+`draft_vocab`). Caches expose `crop(length)`.
 
 Invariant: at temperature 0 the tokens equal the target's own greedy tokens; at temperature > 0
 they are a sample from the target's (temperature/top-k/top-p processed) distribution.
@@ -84,7 +85,7 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     block[0, 0] = token
     hidden = drafter(target.embed(block), context, cache)  # (1, B, H)
     cache.crop(start)  # keep the injected context, drop the block's own keys
-    vocab = drafter.draft_vocab  # (K,) or None: the tokens this drafter drafts
+    vocab = getattr(drafter, "draft_vocab", None)  # (K,) or None: the tokens it drafts
     drafted = hidden[0, 1:k + 1]  # (k, H): only the drafts we will verify
     logits = target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
     if sampler.greedy:

@@ -21,7 +21,7 @@ class HFTarget:
         self.embed_tokens = model.get_input_embeddings()
         self.layer_ids = list(layer_ids or [])
         self._captured: dict[int, torch.Tensor] | None = None
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, their head rows)
+        self._rows: tuple | None = None  # (key, head rows of the ids, the ids)
         layers = self.base.layers
         for layer_id in self.layer_ids:
             layers[layer_id].register_forward_hook(self._hook(layer_id))
@@ -73,6 +73,8 @@ class HFTarget:
         head = self.lm_head
         if type(head) is not nn.Linear or head.bias is not None:
             return self.logits(hidden)[..., ids]
-        if self._rows is None or self._rows[0] is not ids:
-            self._rows = (ids, head.weight.detach()[ids].contiguous())  # (K, H)
+        weight = head.weight
+        key = (id(ids), weight.data_ptr(), weight.dtype, weight.device)
+        if self._rows is None or self._rows[0] != key:  # new ids, or the head moved / was cast
+            self._rows = (key, weight.detach()[ids].contiguous(), ids)  # (K, H); keeps ids alive
         return (hidden @ self._rows[1].T).float()

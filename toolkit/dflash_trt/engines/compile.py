@@ -54,10 +54,17 @@ def build_device(device: str, hardware: str) -> str:
     """Where build stages (quantize, verify, the smoke test) compute: the recipe's device when
     this machine has it, else the CPU. A GPU recipe may be built without a GPU; the artifacts are
     the same either way."""
+    import warnings
+
     import torch
 
     want = resolve_device(device, hardware)
-    return want if want == "cpu" or torch.cuda.is_available() else "cpu"
+    if want == "cpu" or torch.cuda.is_available():
+        return want
+    if device.startswith("cuda"):  # asked for by name, not by `auto`: say where it runs instead
+        warnings.warn(f"engine.device {device!r} but CUDA is not available here; build stages "
+                      "run on the CPU (same artifacts, much slower for large models)", stacklevel=2)
+    return "cpu"
 
 
 def run_compile_stage(ctx) -> dict:

@@ -216,3 +216,7 @@ def _check_pair(model, drafter, drafter_dir) -> None:
     if drafter.mask_token_id is None or not 0 <= drafter.mask_token_id < config.vocab_size:
         raise DflashTrtError(f"{drafter_dir}: dflash_config.mask_token_id "
                              f"{drafter.mask_token_id} is not a token of the target")
+    vocab = drafter.draft_vocab
+    if vocab is not None and int(vocab.max()) >= model.get_output_embeddings().weight.shape[0]:
+        raise DflashTrtError(f"{drafter_dir}: draft_vocab.json names token {int(vocab.max())}, "
+                             "outside the target's vocabulary; use a drafter for this target")
