@@ -1,6 +1,6 @@
-"""The training and held-out data of this drafter: SmolLM2-135M-Instruct's own greedy answers.
+"""The training and held-out data of recipes/assets/smollm2-135m-dflash: SmolLM2's own answers.
 
-    .venv/bin/python recipes/assets/smollm2-135m-dflash/make_data.py DATA_DIR
+    .venv/bin/python scripts/make_smollm2_drafter_data.py DATA_DIR
 
 writes, into DATA_DIR (resumable: answers already there are kept):
 - heldout-answers.jsonl   answers to the first 32 of builtin:code-prompts (held out)
