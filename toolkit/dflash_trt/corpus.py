@@ -143,65 +143,42 @@ def _stub(node: ast.FunctionDef) -> str:
     return f"def {node.name}({args}){returns}:\n    \"\"\"\n{body}\n    \"\"\"\n"
 
 
-@functools.cache
-def _code_prompts() -> tuple[str, ...]:
-    return tuple(_written_code_prompts())
-
-
-def code_prompts() -> list[str]:
-    """HumanEval-style prompts written from standard-library functions (see _written_code_prompts)."""
-    return list(_code_prompts())
-
-
-def _written_code_prompts() -> list[str]:
-    """HumanEval-style prompts written from standard-library functions (deterministic order).
-
-    Three forms alternate: a bare stub to complete, a stub with an instruction, and a one-line
-    request built from the docstring's first sentence.
-    """
+def _three_forms(nodes, forms, seed: int) -> tuple[str, ...]:
+    """One prompt per (owner, node), the three forms of `forms(owner, node, stub, first sentence)`
+    taken in turn, then a fixed shuffle so that any prefix of the list (a partial run) spans many
+    modules."""
     import random
 
     prompts = []
-    for i, (module, node) in enumerate(_stdlib_functions()):
-        stub = _stub(node)
+    for i, (owner, node) in enumerate(nodes):
         first = _short_doc(ast.get_docstring(node), 300).split("\n\n")[0].replace("\n", " ")
-        if i % 3 == 0:
-            prompts.append(stub)
-        elif i % 3 == 1:
-            prompts.append(f"Complete the following Python function.\n\n{stub}")
-        else:
-            prompts.append(f"Write a Python function `{node.name}` (like {module}.{node.name}). "
-                           f"{first}")
-    # A fixed shuffle, so that any prefix of the list (a partial run) spans many modules.
-    random.Random(0).shuffle(prompts)
-    return prompts
+        prompts.append(forms(owner, node, _stub(node), first)[i % 3])
+    random.Random(seed).shuffle(prompts)
+    return tuple(prompts)
 
 
 @functools.cache
-def _method_prompts() -> tuple[str, ...]:
-    return tuple(_written_method_prompts())
+def _prompt_set(kind: str) -> tuple[str, ...]:
+    if kind == CODE_PROMPTS:
+        return _three_forms(_stdlib_functions(), lambda module, node, stub, first: (
+            stub,
+            f"Complete the following Python function.\n\n{stub}",
+            f"Write a Python function `{node.name}` (like {module}.{node.name}). {first}"), seed=0)
+    return _three_forms(_stdlib_methods(), lambda cls, node, stub, first: (
+        f"Complete this method of the Python class `{cls}`.\n\n{stub}",
+        f"Write the method `{cls}.{node.name}` in Python.\n\n{stub}",
+        f"Write a Python function `{node.name}`. {first}"), seed=1)
+
+
+def code_prompts() -> list[str]:
+    """HumanEval-style prompts written from standard-library functions (deterministic order):
+    a bare stub to complete, a stub with an instruction, a one-line request from the docstring."""
+    return list(_prompt_set(CODE_PROMPTS))
 
 
 def method_prompts() -> list[str]:
     """Prompts written from standard-library class methods, in code_prompts' three forms."""
-    return list(_method_prompts())
-
-
-def _written_method_prompts() -> list[str]:
-    import random
-
-    prompts = []
-    for i, (cls, node) in enumerate(_stdlib_methods()):
-        stub = _stub(node)
-        first = _short_doc(ast.get_docstring(node), 300).split("\n\n")[0].replace("\n", " ")
-        if i % 3 == 0:
-            prompts.append(f"Complete this method of the Python class `{cls}`.\n\n{stub}")
-        elif i % 3 == 1:
-            prompts.append(f"Write the method `{cls}.{node.name}` in Python.\n\n{stub}")
-        else:
-            prompts.append(f"Write a Python function `{node.name}`. {first}")
-    random.Random(1).shuffle(prompts)
-    return prompts
+    return list(_prompt_set(METHOD_PROMPTS))
 
 
 def _read_jsonl(path: Path) -> Iterator[Sample]:
