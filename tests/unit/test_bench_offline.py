@@ -14,6 +14,7 @@ from dflash_fixtures import random_prompts, tiny_drafter, tiny_target  # noqa: E
 
 from dflash_trt.bench_offline import (  # noqa: E402
     DFLASH,
+    DFLASH_LOOKUP,
     HF_GREEDY,
     HF_PROMPT_LOOKUP,
     PLAIN,
@@ -44,11 +45,13 @@ class TinyEngine:
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.max_seq_len = 512
+        self.prompt_lookup = False
 
     def stream(self, prompt_ids, params):
         for step in generate_steps(self.target, self.drafter, prompt_ids,
                                    max_new_tokens=params.max_new_tokens, block_size=self.block_size,
-                                   num_draft_tokens=params.num_draft_tokens):
+                                   num_draft_tokens=params.num_draft_tokens,
+                                   prompt_lookup=self.prompt_lookup):
             yield StepOutput(tuple(step.token_ids), "", step.num_draft_tokens,
                              step.num_accepted_draft_tokens, step.finish_reason is not None,
                              step.finish_reason)
@@ -140,3 +143,15 @@ def test_profile_breakdown_finds_the_dflash_steps(tiny):
     assert found["draft_block"]["calls"] >= 1
     assert 0 < found["draft_block"]["seconds"] <= rows[0]["seconds"]
     assert "| drafting (drafter pass + draft logits) [draft_block] |" in profile_markdown(rows, "dflash")
+
+
+def test_dflash_with_prompt_lookup_is_a_contender_on_the_same_engine(tiny):
+    model, engine = tiny
+    prompts = [p * 3 for p in random_prompts(2, seed=1)]  # prompts that repeat themselves
+    lookup = engine_contender(DFLASH_LOOKUP, engine, num_draft_tokens=None, prompt_lookup=True)
+    report = run_offline([hf_contender(HF_GREEDY, model, eos_token_ids=[]), lookup,
+                          engine_contender(DFLASH, engine, num_draft_tokens=None)],
+                         prompts, max_new_tokens=MAX_NEW, repeats=1)
+    assert report.identical, report.mismatches
+    rows = profile_breakdown(lookup, prompts, max_new_tokens=MAX_NEW)
+    assert any(r["what"].endswith("[lookup_drafts]") and r["calls"] > 0 for r in rows)

@@ -85,6 +85,38 @@ def test_oracle_drafter_with_every_acceptance_length_is_lossless(family_setup, b
         stats.acceptance_lengths)
 
 
+def test_prompt_lookup_is_lossless_and_drafts_where_the_ngram_recurs(family_setup):
+    model, prompts, refs = family_setup
+    drafter = tiny_drafter(model, block_size=4, target_layer_ids=[0, 2])
+    target = HFTarget(model, drafter.target_layer_ids)
+    lookup_steps = 0
+    for prompt in prompts:
+        prompt = prompt * 3  # the prompt repeats itself, as answers that copy their prompt do
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        tokens, stats = gen.generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS,
+                                     block_size=4, prompt_lookup=True)
+        assert tokens == ref.tolist()
+        assert all(1 <= n <= 4 for n in stats.acceptance_lengths)
+        lookup_steps += stats.num_lookup_steps
+    assert lookup_steps > 0
+
+
+def test_prompt_lookup_skips_the_drafter_when_it_drafts(monkeypatch):
+    target = chain_target()  # greedy: t -> t + 1 (mod 16)
+    drafter = StubDrafter(16, correct=0)  # always wrong
+    calls = []
+    real = gen.draft_block
+    monkeypatch.setattr(gen, "draft_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0]  # the chain, once around
+    tokens, stats = gen.generate(target, drafter, prompt, max_new_tokens=13, block_size=4,
+                                 prompt_lookup=True)
+    assert tokens == [(1 + i) % 16 for i in range(13)]
+    assert stats.acceptance_lengths == [4, 4, 4]  # every lookup draft right, the drafter unused
+    assert stats.num_lookup_steps == 3 and not calls
+
+
 def test_plain_decoding_needs_no_features(family_setup):
     model, prompts, refs = family_setup
     target = HFTarget(model, [1])
@@ -174,7 +206,8 @@ def _bigram_chi_square(tokens: list[int], expected_probs: torch.Tensor) -> float
 
 
 def _sample_tokens(temperature: float, top_k: int, seed: int,
-                   draft_vocab: tuple[int, ...] | None = None) -> tuple[list[int], torch.Tensor]:
+                   draft_vocab: tuple[int, ...] | None = None,
+                   prompt_lookup: bool = False) -> tuple[list[int], torch.Tensor]:
     p_logits, q_logits = _markov(seed)
     target = StubTarget(p_logits)
     drafter = StubDrafter(V, logits=q_logits)
@@ -182,17 +215,22 @@ def _sample_tokens(temperature: float, top_k: int, seed: int,
         drafter.draft_vocab = torch.tensor(draft_vocab)
     sampler = Sampler(temperature, top_k, 1.0, torch.Generator().manual_seed(seed))
     tokens, stats = gen.generate(target, drafter, [0], max_new_tokens=12000, block_size=8,
-                                 sampler=sampler)
+                                 sampler=sampler, prompt_lookup=prompt_lookup)
     assert stats.num_accepted_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    if prompt_lookup:  # 6 tokens: nearly every n-gram occurred before, so lookup drafts
+        assert stats.num_lookup_steps > len(stats.acceptance_lengths) // 2
     return [0, *tokens], sampler.probs(p_logits)
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "draft_vocab"),
-                         [(1.0, 0, None), (0.7, 4, None), (1.0, 0, (0, 2, 3, 5))])
-def test_sampling_is_lossless_by_chi_square(temperature, top_k, draft_vocab):
-    """Also with a draft vocabulary: q is 0 outside it, the output still follows the target."""
+@pytest.mark.parametrize(("temperature", "top_k", "draft_vocab", "prompt_lookup"),
+                         [(1.0, 0, None, False), (0.7, 4, None, False),
+                          (1.0, 0, (0, 2, 3, 5), False), (1.0, 0, None, True)])
+def test_sampling_is_lossless_by_chi_square(temperature, top_k, draft_vocab, prompt_lookup):
+    """Also with a draft vocabulary (q is 0 outside it) and with prompt-lookup drafts (q one-hot):
+    the output still follows the target."""
     pytest.importorskip("scipy")
-    tokens, expected = _sample_tokens(temperature, top_k, seed=3, draft_vocab=draft_vocab)
+    tokens, expected = _sample_tokens(temperature, top_k, seed=3, draft_vocab=draft_vocab,
+                                      prompt_lookup=prompt_lookup)
     assert _bigram_chi_square(tokens, expected) > 1e-3
 
 

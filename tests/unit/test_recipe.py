@@ -147,6 +147,7 @@ def test_nvfp4_with_torch_engine_is_fine_on_cpu(tmp_path):
     ("engine:\n  tensor_parallel_size: 2\n", "engine.tensor_parallel_size"),
     ("engine:\n  device: cuda\n", "engine.device"),
     ("engine:\n  build_path: trtllm_build\n", "engine.build_path"),
+    ("engine:\n  backend: tensorrt_llm\n  prompt_lookup: true\n", "engine.prompt_lookup"),
 ])
 def test_contradictions(tmp_path, extra, where):
     findings = errors_of(write(tmp_path, GOOD + extra))

@@ -53,6 +53,24 @@ def test_speculative_equals_plain_and_text_matches_tokens(engine):
         assert all(1 <= n <= 4 for n in spec.acceptance_lengths)
 
 
+def test_prompt_lookup_reaches_generation_and_marks_its_steps(engine, monkeypatch):
+    """The random tiny target never repeats itself, so lookup is an oracle here (dflash.lookup
+    itself is tested in test_lookup.py and test_generate.py)."""
+    from dflash_trt.dflash import generate as gen
+
+    ids = engine.tokenize("abc", chat=False)
+    plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=13, num_draft_tokens=0)))
+    monkeypatch.setattr(gen, "lookup_drafts",
+                        lambda history, k: plain.token_ids[len(history) - len(ids):][:k])
+    assert {s.draft_source for s in engine.stream(ids, SamplingParams(max_new_tokens=13))} \
+        == {None, "dflash"}  # off by default
+    monkeypatch.setattr(engine, "prompt_lookup", True)
+    steps = list(engine.stream(ids, SamplingParams(max_new_tokens=13)))
+    assert [t for s in steps for t in s.token_ids] == plain.token_ids
+    assert [s.draft_source for s in steps] == [None, "lookup", "lookup", "lookup"]
+    assert [len(s.token_ids) for s in steps] == [1, 4, 4, 4]
+
+
 def test_num_draft_tokens_caps_each_step(engine):
     steps = list(engine.stream(engine.tokenize("abc"), SamplingParams(max_new_tokens=12,
                                                                      num_draft_tokens=2)))
@@ -156,6 +174,24 @@ def test_cli_eval_passes_and_writes_a_report(dirs, tmp_path):
     data = json.loads(report.read_text())
     assert data["num_identical"] == data["num_prompts"] == 2
     assert sum(data["acceptance_histogram"].values()) > 0
+    assert data["prompt_lookup"] is False and data["num_lookup_steps"] == 0
+
+
+def test_cli_eval_with_prompt_lookup_counts_its_steps(dirs, tmp_path, monkeypatch):
+    from dflash_trt.dflash import generate as gen
+
+    monkeypatch.setattr(gen, "lookup_drafts", lambda history, k: [0] * k)  # drafts, always wrong
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n')
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts", str(prompts),
+        "--max-new-tokens", "24", "--prompt-lookup", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["num_identical"] == 1 and data["prompt_lookup"] is True
+    assert 0 < data["num_lookup_steps"] == data["prompts"][0]["num_lookup_steps"]
+    assert f"prompt lookup drafted {data['num_lookup_steps']} of" in result.output
 
 
 def test_cli_eval_exits_1_when_outputs_differ(dirs, tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 Contenders run the same tokenized prompts with the same token budget, greedily:
 - `dflash`: this project's engine with speculation on;
+- `dflash+lookup` (with prompt_lookup): the same engine drafting by prompt lookup where the
+  newest n-gram occurred before, with the DFlash drafter elsewhere (dflash.lookup);
 - `plain`: the same engine with num_draft_tokens=0 (one token per target forward);
 - `hf-generate`: transformers `generate`, greedy (what most users run today);
 - `hf-prompt-lookup`: transformers prompt-lookup decoding (`prompt_lookup_num_tokens`), the
@@ -28,6 +30,7 @@ from dflash_trt.verify import first_mismatch
 
 PLAIN = "plain"
 DFLASH = "dflash"
+DFLASH_LOOKUP = "dflash+lookup"
 HF_GREEDY = "hf-generate"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' own default for prompt lookup
@@ -183,11 +186,13 @@ def _summarize(name: str, seconds: list[list[float]],
 # --- contenders --------------------------------------------------------------------------------
 
 
-def engine_contender(name: str, engine, num_draft_tokens: int | None) -> Contender:
-    """An Engine (engines/base.py) at temperature 0; num_draft_tokens=0 turns speculation off."""
+def engine_contender(name: str, engine, num_draft_tokens: int | None,
+                     prompt_lookup: bool = False) -> Contender:
+    """The torch engine at temperature 0; num_draft_tokens=0 turns speculation off."""
     from dflash_trt.engines.base import SamplingParams
 
     def generate(prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
+        engine.prompt_lookup = prompt_lookup  # contenders share one engine
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 num_draft_tokens=num_draft_tokens)
         tokens, forwards = [], 0
@@ -238,7 +243,7 @@ class LoadedContenders:
 def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
                     dtype: str = "float32", block_size: int | None = None,
                     prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
-                    max_seq_len: int = 4096) -> LoadedContenders:
+                    max_seq_len: int = 4096, prompt_lookup: bool = False) -> LoadedContenders:
     """Load the torch engine; the transformers contenders run the engine's own model object.
 
     Sharing the model guarantees the same weights, dtype, device and attention implementation,
@@ -250,14 +255,18 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
     engine = TorchEngine.load(resolve_source(target), drafter_dir, device=device, dtype=dtype,
                               block_size=block_size, max_seq_len=max_seq_len)
     eos = list(engine.stop_token_ids)
+    contenders = [
+        hf_contender(HF_GREEDY, engine.model, eos_token_ids=eos),
+        engine_contender(DFLASH, engine, num_draft_tokens=None),
+        engine_contender(PLAIN, engine, num_draft_tokens=0),
+        hf_contender(HF_PROMPT_LOOKUP, engine.model, eos_token_ids=eos,
+                     prompt_lookup_num_tokens=prompt_lookup_num_tokens),
+    ]
+    if prompt_lookup:
+        contenders.insert(2, engine_contender(DFLASH_LOOKUP, engine, num_draft_tokens=None,
+                                              prompt_lookup=True))
     return LoadedContenders(
-        contenders=[
-            hf_contender(HF_GREEDY, engine.model, eos_token_ids=eos),
-            engine_contender(DFLASH, engine, num_draft_tokens=None),
-            engine_contender(PLAIN, engine, num_draft_tokens=0),
-            hf_contender(HF_PROMPT_LOOKUP, engine.model, eos_token_ids=eos,
-                         prompt_lookup_num_tokens=prompt_lookup_num_tokens),
-        ],
+        contenders=contenders,
         tokenize=engine.tokenize, device=str(engine.device), block_size=engine.block_size)
 
 
@@ -268,6 +277,7 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
 PROFILE_POINTS = (
     ("dflash/generate.py", "generate_steps", "whole generation (engine side)"),
     ("dflash/generate.py", "draft_block", "drafting (drafter pass + draft logits)"),
+    ("dflash/lookup.py", "lookup_drafts", "prompt lookup"),
     ("dflash/target.py", "forward", "target forward (prefill + verify)"),
     ("dflash/target.py", "logits", "LM head (all calls)"),
     ("dflash/generate.py", "accept_greedy", "acceptance (incl. verify logits)"),

@@ -217,6 +217,10 @@ class EngineSection(Section):
     build_path: Literal["llm_api", "trtllm_build"] = Field("llm_api", description="llm_api: "
                                                            "TensorRT-LLM's LLM API (the only path "
                                                            "with DFlash).")
+    prompt_lookup: bool = Field(False, description="torch engine: where the newest 2-4 tokens "
+                                "occurred before, draft what followed them (prompt lookup) "
+                                "instead of running the drafter. Lossless; helps answers that "
+                                "repeat their prompt.")
 
 
 class TritonSection(Section):
@@ -288,6 +292,10 @@ def _check_hardware(r: Recipe) -> None:
         errors.append(CrossFieldError(
             ("engine", "backend"), "tensorrt_llm needs a GPU; set hardware to sm90/sm100/sm103/"
             "sm120 or use backend: torch"))
+    if trtllm and r.engine.prompt_lookup:
+        errors.append(CrossFieldError(
+            ("engine", "prompt_lookup"), "prompt lookup is a torch-engine feature; TensorRT-LLM's "
+            "DFlash mode drafts with the drafter only; set prompt_lookup: false"))
     if r.engine.tensor_parallel_size > 1 and not trtllm:
         errors.append(CrossFieldError(
             ("engine", "tensor_parallel_size"), "tensor parallelism needs a GPU backend; set "

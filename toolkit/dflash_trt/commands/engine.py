@@ -28,7 +28,7 @@ def _layer_ids(_ctx, _param, value: str | None) -> list[int] | None:
 
 
 def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
-                 block_size: int | None, max_seq_len: int):
+                 block_size: int | None, max_seq_len: int, prompt_lookup: bool = False):
     from transformers.utils import logging as hf_logging
 
     from dflash_trt.engines.torch_engine import TorchEngine
@@ -39,7 +39,8 @@ def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
     target_dir = resolve_source(target)
     drafter_dir = resolve_source(drafter) if drafter else None
     return TorchEngine.load(target_dir, drafter_dir, device=device, dtype=dtype,
-                            block_size=block_size, max_seq_len=max_seq_len)
+                            block_size=block_size, max_seq_len=max_seq_len,
+                            prompt_lookup=prompt_lookup)
 
 
 def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
@@ -47,6 +48,7 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
     start = time.perf_counter()
     first = None
     text, tokens, lengths, drafted, accepted, finish = "", [], [], 0, 0, None
+    lookup_steps = 0
     for step in engine.stream(prompt_ids, params):
         if first is None:
             first = time.perf_counter()
@@ -56,6 +58,7 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
         tokens.extend(step.token_ids)
         drafted += step.num_draft_tokens
         accepted += step.num_accepted_draft_tokens
+        lookup_steps += step.draft_source == "lookup"
         finish = step.finish_reason or finish
         if on_text is not None and step.text:
             on_text(step.text)
@@ -65,7 +68,7 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
             "acceptance_lengths": lengths,
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
-            "finish_reason": finish, "prefill_s": (first or end) - start, "decode_s": decode_s,
+            "num_lookup_steps": lookup_steps, "finish_reason": finish, "prefill_s": (first or end) - start, "decode_s": decode_s,
             "tokens_per_s": len(tokens) / decode_s if decode_s > 0 else 0.0}
 
 
@@ -122,6 +125,8 @@ def _engine_options(f):
         click.option("--device", default="cpu", show_default=True, type=_DEVICES),
         click.option("--dtype", default="float32", show_default=True, type=_DTYPES),
         click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2)),
+        click.option("--prompt-lookup", is_flag=True, help="Draft by n-gram lookup in the prompt "
+                     "and output where it matches, with the drafter elsewhere (lossless)."),
     ]):
         f = option(f)
     return f
@@ -143,8 +148,8 @@ def _engine_options(f):
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat, max_new_tokens,
-             temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len, stream,
-             as_json) -> None:
+             temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len,
+             prompt_lookup, stream, as_json) -> None:
     """Generate text with DFlash speculative decoding (or plain decoding with --no-draft)."""
     from dflash_trt.engines.base import SamplingParams
     from dflash_trt.prompts import load_prompts
@@ -152,7 +157,7 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
     if (prompt is None) == (prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE")
     prompts = [prompt] if prompt is not None else load_prompts(prompts_file, num_prompts)
-    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, num_draft_tokens=0 if no_draft else None)
     for text_prompt in prompts:
@@ -181,15 +186,15 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (per prompt, histogram) as JSON to FILE.")
 def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, block_size, device,
-          dtype, max_seq_len, report) -> None:
+          dtype, max_seq_len, prompt_lookup, report) -> None:
     """Check that speculative output equals plain greedy output for every prompt (exit 1 if not)."""
     from dflash_trt.engines.base import SamplingParams
     from dflash_trt.prompts import load_prompts
 
     prompts = load_prompts(prompts_file, num_prompts)
-    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup)
     engine.draft_backoff = False  # measure the drafter on every step
-    rows, lengths = [], []
+    rows, lengths, lookup_steps = [], [], 0
     for number, text_prompt in enumerate(prompts, 1):
         ids = engine.tokenize(text_prompt, chat=chat)
         plain = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens,
@@ -200,9 +205,11 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, bloc
             (i for i, (a, b) in enumerate(zip(plain["token_ids"], spec["token_ids"], strict=False)) if a != b),
             min(len(plain["token_ids"]), len(spec["token_ids"])))
         lengths.extend(spec["acceptance_lengths"])
+        lookup_steps += spec["num_lookup_steps"]
         rows.append({"prompt": text_prompt, "identical": same, "first_difference": first_diff,
                      "num_new_tokens": spec["num_new_tokens"],
                      "mean_acceptance_length": spec["mean_acceptance_length"],
+                     "num_lookup_steps": spec["num_lookup_steps"],
                      "plain_tokens_per_s": plain["tokens_per_s"],
                      "speculative_tokens_per_s": spec["tokens_per_s"]})
         click.echo(f"{number}/{len(prompts)} {'same' if same else 'DIFFERENT'}  "
@@ -213,12 +220,15 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, bloc
     mismatches = sum(not r["identical"] for r in rows)
     summary = {"num_prompts": len(rows), "num_identical": len(rows) - mismatches,
                "mean_acceptance_length": mean, "block_size": engine.block_size,
+               "prompt_lookup": prompt_lookup, "num_lookup_steps": lookup_steps,
                "acceptance_histogram": {str(k): v for k, v in histogram.items()}, "prompts": rows}
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(json.dumps(summary, indent=2) + "\n")
     click.echo(f"mean acceptance length {mean:.3f} over {len(lengths)} steps; histogram "
                + " ".join(f"{k}:{v}" for k, v in histogram.items()))
+    if prompt_lookup:
+        click.echo(f"prompt lookup drafted {lookup_steps} of {len(lengths)} steps")
     if mismatches:
         raise DflashTrtError(f"{mismatches} of {len(rows)} speculative outputs differ from plain "
                              f"decoding; the engine is not lossless for this pair")

@@ -9,6 +9,8 @@ DFlashDraftModel (or any module with the same call, `new_cache()`, `mask_token_i
 Invariant: at temperature 0 the tokens equal the target's own greedy tokens; at temperature > 0
 they are a sample from the target's (temperature/top-k/top-p processed) distribution.
 With no drafter, or num_draft_tokens == 0, every step is one plain target decoding step.
+With prompt_lookup, a step whose newest n-gram occurred before drafts the tokens that followed it
+(dflash.lookup) instead of running the drafter; verification is the same for both.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trt.dflash.lookup import lookup_drafts
 from dflash_trt.dflash.sampling import Sampler
 
 # Draft back-off: after BACKOFF_PATIENCE drafting steps in a row with nothing accepted, decode
@@ -35,6 +38,7 @@ class Step:
     num_draft_tokens: int  # drafts verified in this step
     num_accepted_draft_tokens: int
     finish_reason: str | None = None  # "length" | "eos" when this is the last step
+    draft_source: str | None = None  # "dflash" | "lookup" when this step verified drafts
 
 
 @dataclass
@@ -44,6 +48,7 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens per decoding forward
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_lookup_steps: int = 0  # steps whose drafts came from prompt lookup
     finish_reason: str | None = None
 
     @property
@@ -100,6 +105,16 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     return vocab[picks].tolist(), full
 
 
+def copied_drafts(target, drafts: list[int], sampler: Sampler):
+    """Prompt-lookup drafts as draft_block returns them: q is one-hot (a deterministic proposal),
+    so rejection sampling accepts d with probability p(d) and stays exact."""
+    if sampler.greedy or not drafts:
+        return drafts, None
+    q = torch.zeros(len(drafts), target.vocab_size, device=target.device)  # (k, V)
+    q[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+    return drafts, q
+
+
 def accept_greedy(logits: _LazyLogits, drafts: list[int]) -> tuple[int, int]:
     """Longest prefix of drafts equal to the target's argmax, plus the target's next token."""
     n = 0
@@ -128,10 +143,12 @@ def accept_sampled(logits: _LazyLogits, drafts: list[int], q: torch.Tensor | Non
 def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens: int,
                    block_size: int, num_draft_tokens: int | None = None,
                    stop_token_ids: Sequence[int] = (),
-                   sampler: Sampler | None = None, backoff: bool = False) -> Iterator[Step]:
+                   sampler: Sampler | None = None, backoff: bool = False,
+                   prompt_lookup: bool = False) -> Iterator[Step]:
     """Yield one Step per target forward until max_new_tokens or a stop token.
 
     backoff: rest a drafter that keeps missing (see BACKOFF_PATIENCE); off to measure a drafter.
+    prompt_lookup: draft by n-gram lookup in prompt + output where it matches (dflash.lookup).
     """
     sampler = sampler or Sampler()
     draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
@@ -153,6 +170,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
     yield Step([token], 0, 0, finish)
     draft_cache = drafter.new_cache() if capture else None
     start = len(prompt_ids)  # position of `token`: the newest token, not yet in the target cache
+    history = [*prompt_ids, token]  # what prompt lookup searches
     misses, rest, resting = 0, 1, 0  # back-off: drafting steps missed, next rest, steps left
 
     while finish is None:
@@ -161,11 +179,14 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         k = min(draft_len, max_new_tokens - generated - 1)
         if resting:
             k, resting = 0, resting - 1
-        drafts, q = [], None
-        if k > 0:
+        drafts, q, source = [], None, None
+        if k > 0 and prompt_lookup:
+            drafts, q = copied_drafts(target, lookup_drafts(history, k), sampler)
+            source = "lookup" if drafts else None
+        if k > 0 and not drafts:
             drafts, q = draft_block(target, drafter, token, context, draft_cache, start,
                                     block_size, k, sampler)
-            context = None  # now in the drafter's cache
+            context, source = None, "dflash"  # the context is now in the drafter's cache
 
         # 3. Verify [token, d1..dk] at positions start..start+k in one target pass.
         verify_ids = torch.tensor([[token, *drafts]], dtype=torch.long, device=device)  # (1, k+1)
@@ -196,9 +217,10 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         if hit is not None:
             new_tokens, finish = new_tokens[:hit + 1], "eos"
         generated += len(new_tokens)
+        history.extend(new_tokens)
         if finish is None and generated >= max_new_tokens:
             finish = "length"
-        yield Step(new_tokens, len(drafts), n, finish)
+        yield Step(new_tokens, len(drafts), n, finish, source)
 
 
 def generate(target, drafter, prompt_ids: Sequence[int], **kwargs) -> tuple[list[int], GenerationStats]:
@@ -211,5 +233,6 @@ def generate(target, drafter, prompt_ids: Sequence[int], **kwargs) -> tuple[list
             stats.acceptance_lengths.append(len(step.token_ids))
         stats.num_draft_tokens += step.num_draft_tokens
         stats.num_accepted_draft_tokens += step.num_accepted_draft_tokens
+        stats.num_lookup_steps += step.draft_source == "lookup"
         stats.finish_reason = step.finish_reason
     return tokens, stats

@@ -24,4 +24,5 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
     return TorchEngine.load(spec.checkpoint(engine_dir, "target"),
                             spec.checkpoint(engine_dir, "drafter"),
                             device=device or spec.device, dtype=spec.dtype,
-                            block_size=spec.block_size, max_seq_len=spec.max_seq_len)
+                            block_size=spec.block_size, max_seq_len=spec.max_seq_len,
+                            prompt_lookup=spec.prompt_lookup)

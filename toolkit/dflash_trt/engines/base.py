@@ -36,6 +36,7 @@ class StepOutput:
     num_accepted_draft_tokens: int  # of those, accepted by the target
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "eos" | "cancelled"
+    draft_source: str | None = None  # "dflash" | "lookup" (prompt lookup); None: nothing drafted
 
 
 @dataclass

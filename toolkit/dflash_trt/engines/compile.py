@@ -101,6 +101,7 @@ def run_compile_stage(ctx) -> dict:
         max_seq_len=engine.max_seq_len,
         chat_template=recipe.target.chat_template,
         defaults=SamplingDefaults(max_tokens=recipe.triton.max_tokens),
+        prompt_lookup=engine.prompt_lookup,
     )
     spec.write(ctx.out)
     info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,

@@ -42,6 +42,7 @@ class EngineSpec:
     max_seq_len: int
     chat_template: bool  # wrap text_input in the tokenizer's chat template
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    prompt_lookup: bool = False  # torch engine: n-gram drafts before the drafter
 
     def write(self, engine_dir: Path) -> Path:
         """Write engine_dir/engine.yaml; return its path."""
@@ -62,7 +63,8 @@ class EngineSpec:
             raise DflashTrtError(f"{path}: expected a mapping")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "defaults")
+        optional = {"defaults", "prompt_lookup"}
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if unknown or missing:
             raise DflashTrtError(f"{path}: unknown keys {unknown}, missing keys {missing}; "
                                  "rebuild with `dflash-trt build RECIPE --force compile`")

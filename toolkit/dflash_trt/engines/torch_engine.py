@@ -92,13 +92,14 @@ class TorchEngine:
     """Engine protocol implementation (see engines/base.py) over dflash.generate."""
 
     def __init__(self, model, tokenizer, drafter, *, device: str, block_size: int,
-                 max_seq_len: int):
+                 max_seq_len: int, prompt_lookup: bool = False):
         from dflash_trt.dflash.target import HFTarget
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.device = device
         self.block_size = block_size
         self.max_seq_len = max_seq_len
+        self.prompt_lookup = prompt_lookup  # n-gram drafts before the drafter (dflash.lookup)
         self.target = HFTarget(model, drafter.target_layer_ids if drafter is not None else None)
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
         self._lock = threading.Lock()
@@ -109,7 +110,7 @@ class TorchEngine:
     @classmethod
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
              dtype: str = "float32", block_size: int | None = None,
-             max_seq_len: int = 2048) -> TorchEngine:
+             max_seq_len: int = 2048, prompt_lookup: bool = False) -> TorchEngine:
         """Load a target checkpoint (and optionally a drafter) from resolved directories."""
         from transformers import AutoTokenizer
 
@@ -131,7 +132,7 @@ class TorchEngine:
         if max_seq_len < 2:
             raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
         return cls(model, tokenizer, drafter, device=device, block_size=block_size,
-                   max_seq_len=max_seq_len)
+                   max_seq_len=max_seq_len, prompt_lookup=prompt_lookup)
 
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids for a prompt (see prompts.encode_prompt)."""
@@ -186,7 +187,8 @@ class TorchEngine:
                                    num_draft_tokens=params.num_draft_tokens,
                                    stop_token_ids=self.stop_token_ids,
                                    sampler=self._sampler(params),
-                                   backoff=self.draft_backoff)
+                                   backoff=self.draft_backoff,
+                                   prompt_lookup=self.prompt_lookup)
             try:
                 for step in steps:
                     text, stopped = stops.push(detok.push(step.token_ids))
@@ -196,7 +198,8 @@ class TorchEngine:
                         text += tail if stopped else tail + stops.flush()
                         finish = "stop" if stopped else finish
                     yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
-                                     step.num_accepted_draft_tokens, finish is not None, finish)
+                                     step.num_accepted_draft_tokens, finish is not None, finish,
+                                     step.draft_source)
                     if finish is not None:
                         return
             finally:
