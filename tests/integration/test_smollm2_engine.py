@@ -40,3 +40,18 @@ def test_speculative_equals_no_draft_on_smollm2(engine):
         assert spec.token_ids == plain.token_ids
         assert spec.text == plain.text and plain.text.strip()
         assert all(1 <= n <= 8 for n in spec.acceptance_lengths)
+
+
+def test_prompt_lookup_on_smollm2_is_lossless_and_drafts_the_copied_text(engine, monkeypatch):
+    from dflash_trt.engines.base import SamplingParams, collect
+
+    ids = engine.tokenize('Complete this function:\n```python\ndef is_palindrome(text: str) -> '
+                          'bool:\n    """Return True if text reads the same backwards."""\n```',
+                          chat=True)
+    plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=40, num_draft_tokens=0)))
+    monkeypatch.setattr(engine, "prompt_lookup", True)
+    steps = list(engine.stream(ids, SamplingParams(max_new_tokens=40)))
+    assert [t for s in steps for t in s.token_ids] == plain.token_ids
+    lookup = [s for s in steps if s.draft_source == "lookup"]
+    # The answer repeats the signature and docstring: lookup drafts them, the target accepts.
+    assert sum(s.num_accepted_draft_tokens for s in lookup) >= 10, plain.text
