@@ -49,7 +49,7 @@ mkdir -p "$OUT"
 #    greedy output must match token for token (the command fails loudly if one does not).
 "$BIN/dflash-trt" bench-offline \
   --target "$BUILD/resolved/target" --drafter "$BUILD/resolved/drafter" \
-  --prompts builtin:humaneval --chat --device cpu --dtype float32 \
+  --prompts builtin:humaneval --chat --device cpu --dtype float32 --prompt-lookup \
   ${THREADS:+--threads "$THREADS"} "${OFFLINE_ARGS[@]}" --output "$OUT/offline"
 
 # 3. Served: the emitted Triton repository on a real tritonserver; DFlash and the baseline

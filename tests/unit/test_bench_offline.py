@@ -155,3 +155,6 @@ def test_dflash_with_prompt_lookup_is_a_contender_on_the_same_engine(tiny):
     assert report.identical, report.mismatches
     rows = profile_breakdown(lookup, prompts, max_new_tokens=MAX_NEW)
     assert any(r["what"].endswith("[lookup_drafts]") and r["calls"] > 0 for r in rows)
+    dflash = engine_contender(DFLASH, engine, num_draft_tokens=None)  # runs after: lookup off
+    rows = profile_breakdown(dflash, prompts, max_new_tokens=MAX_NEW)
+    assert not any(r["what"].endswith("[lookup_drafts]") and r["calls"] for r in rows)

@@ -60,6 +60,15 @@ def test_torch_engine_dir_is_self_contained_and_loads(built):
     assert len(result.token_ids) == 5
 
 
+def test_prompt_lookup_goes_from_the_recipe_to_the_engine(built):
+    _, recipe = built
+    recipe = recipe.model_copy(update={"engine": recipe.engine.model_copy(
+        update={"prompt_lookup": True})})
+    out, _ = compile_to(recipe, "engine-lookup")
+    assert yaml.safe_load((out / "engine.yaml").read_text())["prompt_lookup"] is True
+    assert load_engine(out).prompt_lookup is True
+
+
 def test_trtllm_build_path_is_refused_with_the_reason(built):
     _, recipe = built
     engine = recipe.engine.model_copy(update={"build_path": "trtllm_build"})

@@ -117,6 +117,61 @@ def test_prompt_lookup_skips_the_drafter_when_it_drafts(monkeypatch):
     assert stats.num_lookup_steps == 3 and not calls
 
 
+def _alternating_lookup(monkeypatch, wrong: bool = False, period: int = 2):
+    """Prompt lookup that finds nothing on every `period`-th call and drafts (right, or `wrong`)
+    on the others."""
+    calls = []
+
+    def lookup(history, k):
+        calls.append(k)
+        if len(calls) % period == 1:
+            return []
+        right = [(history[-1] + j) % 16 for j in range(1, k + 1)]  # the chain target's tokens
+        return [(t + 1) % 16 for t in right] if wrong else right
+
+    monkeypatch.setattr(gen, "lookup_drafts", lookup)
+
+
+def test_drafter_context_spans_the_steps_lookup_drafted(monkeypatch):
+    _alternating_lookup(monkeypatch)
+    target, drafter = chain_target(), StubDrafter(16, correct=2)
+    steps = list(gen.generate_steps(target, drafter, [1, 2, 3, 4, 5], max_new_tokens=40,
+                                    block_size=8, prompt_lookup=True))
+    sources = [s.draft_source for s in steps[1:]]
+    assert "lookup" in sources and "dflash" in sources
+    # The drafter's first pass sees the prompt; each later one, every token accepted since its
+    # previous pass, including those of the lookup steps in between.
+    expected, since = [5], 0
+    for step in steps[1:]:
+        if step.draft_source == "dflash" and since:
+            expected.append(since)
+            since = 0
+        since += len(step.token_ids)
+    assert drafter.context_lengths == expected
+
+
+def test_backoff_rests_the_drafter_only_for_its_own_misses(monkeypatch):
+    # Lookup misses twice in a row between drafter steps; the drafter always hits: it must never
+    # rest (counting lookup misses would rest it after every second one).
+    _alternating_lookup(monkeypatch, wrong=True, period=3)
+    plain, _ = gen.generate(chain_target(), None, [3], max_new_tokens=60, block_size=1)
+    steps = list(gen.generate_steps(chain_target(), StubDrafter(16), [3], max_new_tokens=60,
+                                    block_size=4, backoff=True, prompt_lookup=True))
+    assert [t for s in steps for t in s.token_ids] == plain
+    assert None not in [s.draft_source for s in steps[1:-1]]  # no undrafted (resting) step
+
+
+def test_lookup_drafts_while_the_drafter_rests():
+    # The drafter never hits; the chain repeats after 16 tokens, so lookup then always hits.
+    target = chain_target()
+    plain, _ = gen.generate(chain_target(), None, [3], max_new_tokens=80, block_size=1)
+    tokens, stats = gen.generate(target, StubDrafter(16, correct=0), [3], max_new_tokens=80,
+                                 block_size=4, backoff=True, prompt_lookup=True)
+    assert tokens == plain
+    assert stats.num_lookup_steps >= 15  # the last 60 tokens, 4 per step
+    assert stats.acceptance_lengths[-10:] == [4] * 9 + stats.acceptance_lengths[-1:]
+
+
 def test_plain_decoding_needs_no_features(family_setup):
     model, prompts, refs = family_setup
     target = HFTarget(model, [1])

@@ -114,6 +114,16 @@ def test_concurrent_callers_get_their_own_results(engine):
     assert results == expected
 
 
+def test_prompt_lookup_without_a_drafter_is_refused(dirs):
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    with pytest.raises(UsageError, match="prompt lookup"):
+        TorchEngine.load(dirs[0], None, prompt_lookup=True)
+    result = CliRunner().invoke(COMMAND["generate"], [
+        "--target", str(dirs[0]), "--prompt", "hi", "--prompt-lookup"])
+    assert result.exit_code == 2 and "prompt lookup" in result.output
+
+
 @pytest.mark.parametrize(("params", "match"), [
     (SamplingParams(max_new_tokens=0), "max_new_tokens"),
     (SamplingParams(max_new_tokens=300), "max_seq_len"),

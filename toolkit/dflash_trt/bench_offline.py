@@ -232,7 +232,7 @@ def hf_contender(name: str, model, *, eos_token_ids: Sequence[int],
 
 @dataclass
 class LoadedContenders:
-    """The four contenders over one target checkpoint, plus the tokenizer they share."""
+    """The contenders over one target checkpoint, plus the tokenizer they share."""
 
     contenders: list[Contender]
     tokenize: Callable[[str, bool], list[int]]

@@ -219,8 +219,8 @@ class EngineSection(Section):
                                                            "with DFlash).")
     prompt_lookup: bool = Field(False, description="torch engine: where the newest 2-4 tokens "
                                 "occurred before, draft what followed them (prompt lookup) "
-                                "instead of running the drafter. Lossless; helps answers that "
-                                "repeat their prompt.")
+                                "instead of running the drafter. Same verification, so lossless; "
+                                "helps answers that repeat their prompt.")
 
 
 class TritonSection(Section):

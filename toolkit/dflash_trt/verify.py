@@ -124,7 +124,6 @@ def run_prompts(engine, prompt_ids: list[list[int]], max_new_tokens: int, plain:
                             num_draft_tokens=0 if plain else None)
     if hasattr(engine, "draft_backoff"):
         engine.draft_backoff = False  # the gates measure the drafter on every step
-        engine.prompt_lookup = False  # ... and the drafter alone
     out = []
     for ids in prompt_ids:
         result = collect(engine.stream(ids, params))

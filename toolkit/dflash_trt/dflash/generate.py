@@ -23,9 +23,10 @@ import torch
 from dflash_trt.dflash.lookup import lookup_drafts
 from dflash_trt.dflash.sampling import Sampler
 
-# Draft back-off: after BACKOFF_PATIENCE drafting steps in a row with nothing accepted, decode
-# plainly for 1, 2, 4, ... BACKOFF_MAX steps before drafting again. A verify pass over rejected
+# Draft back-off: after BACKOFF_PATIENCE drafter steps in a row with nothing accepted, the drafter
+# rests for 1, 2, 4, ... BACKOFF_MAX steps before drafting again. A verify pass over rejected
 # drafts costs more than a plain step (on CPU ~2x) and buys nothing; plain steps are exact.
+# Prompt lookup is not rested and does not count: it costs nothing to try.
 BACKOFF_PATIENCE = 2
 BACKOFF_MAX = 32
 
@@ -111,7 +112,7 @@ def copied_drafts(target, drafts: list[int], sampler: Sampler):
     if sampler.greedy or not drafts:
         return drafts, None
     q = torch.zeros(len(drafts), target.vocab_size, device=target.device)  # (k, V)
-    q[torch.arange(len(drafts)), torch.tensor(drafts)] = 1.0
+    q[torch.arange(len(drafts), device=q.device), torch.tensor(drafts, device=q.device)] = 1.0
     return drafts, q
 
 
@@ -163,7 +164,8 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
     # 1. Prefill: the prompt through the target; the first new token comes from its last position.
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, P)
     target_cache = target.new_cache()
-    hidden, context = target.forward(prompt, target_cache, capture)  # (1, P, H), (1, P, k*H)
+    hidden, features = target.forward(prompt, target_cache, capture)  # (1, P, H), (1, P, k*H)
+    context = [features]  # target features not yet in the drafter's cache, in position order
     token = int(sampler.sample(target.logits(hidden[:, -1]))[0])
     generated = 1
     finish = "eos" if token in stops else "length" if generated >= max_new_tokens else None
@@ -171,22 +173,24 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
     draft_cache = drafter.new_cache() if capture else None
     start = len(prompt_ids)  # position of `token`: the newest token, not yet in the target cache
     history = [*prompt_ids, token]  # what prompt lookup searches
-    misses, rest, resting = 0, 1, 0  # back-off: drafting steps missed, next rest, steps left
+    misses, rest, resting = 0, 1, 0  # back-off: drafter steps missed, next rest, steps left
 
     while finish is None:
-        # 2. Draft k tokens after `token`; never more than fit in max_new_tokens with the bonus.
-        #    A resting drafter drafts nothing; its context keeps growing for when it drafts again.
+        # 2. Draft k tokens after `token`; never more than fit in max_new_tokens with the bonus:
+        #    by prompt lookup where it matches, else by the drafter unless it is resting. Steps
+        #    that skip the drafter leave their features in `context` for its next pass.
         k = min(draft_len, max_new_tokens - generated - 1)
-        if resting:
-            k, resting = 0, resting - 1
         drafts, q, source = [], None, None
         if k > 0 and prompt_lookup:
             drafts, q = copied_drafts(target, lookup_drafts(history, k), sampler)
             source = "lookup" if drafts else None
-        if k > 0 and not drafts:
-            drafts, q = draft_block(target, drafter, token, context, draft_cache, start,
+        if k > 0 and not drafts and resting:
+            resting -= 1
+        elif k > 0 and not drafts:
+            feats = context[0] if len(context) == 1 else torch.cat(context, dim=1)
+            drafts, q = draft_block(target, drafter, token, feats, draft_cache, start,
                                     block_size, k, sampler)
-            context, source = None, "dflash"  # the context is now in the drafter's cache
+            context, source = [], "dflash"  # the context is now in the drafter's cache
 
         # 3. Verify [token, d1..dk] at positions start..start+k in one target pass.
         verify_ids = torch.tensor([[token, *drafts]], dtype=torch.long, device=device)  # (1, k+1)
@@ -199,7 +203,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         else:
             n, bonus = accept_sampled(logits, drafts, q, sampler)
         new_tokens = [*drafts[:n], bonus]
-        if backoff and drafts:
+        if backoff and source == "dflash":
             misses, rest = (misses + 1, rest) if n == 0 else (0, 1)
             if misses >= BACKOFF_PATIENCE:
                 misses, resting, rest = 0, rest, min(2 * rest, BACKOFF_MAX)
@@ -207,8 +211,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         # 5. Crop caches to the accepted tokens; their features become the drafter's new context.
         target_cache.crop(start + n + 1)  # holds positions 0 .. start+n (token, d1..dn)
         if capture:
-            accepted = features[:, :n + 1]  # (1, n+1, k*H)
-            context = accepted if context is None else torch.cat([context, accepted], dim=1)
+            context.append(features[:, :n + 1])  # (1, n+1, k*H)
         start += n + 1
         token = bonus
 

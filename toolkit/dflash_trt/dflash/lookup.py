@@ -5,8 +5,8 @@ Where the last few tokens occurred before, the tokens that followed them then ar
 often right draft. generate() uses it before the DFlash drafter when `prompt_lookup` is on:
 a match drafts, otherwise the drafter does. Verification is unchanged, so output is unchanged.
 
-Sizes chosen by replaying decoding on the held-out answers of the shipped SmolLM2 drafter (32
-code prompts, docs/benchmarks.md): n-grams of 4 down to 2 tokens, first occurrence.
+Sizes chosen by replaying greedy decoding on the held-out answers of the SmolLM2 drafter (32 code
+prompts; docs/benchmarks.md, "Prompt lookup"): n-grams of 4 down to 2 tokens, first occurrence.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def lookup_drafts(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM,
                   min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to k tokens that followed the first earlier occurrence of history's last n tokens,
     trying n = max_ngram down to min_ngram; [] when none occurred before (or k <= 0)."""
-    history = list(history)
+    history = history if isinstance(history, list) else list(history)
     size = len(history)
     if k <= 0:
         return []

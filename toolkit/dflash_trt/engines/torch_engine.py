@@ -129,6 +129,9 @@ class TorchEngine:
         if block_size > 1 and drafter is None:
             raise UsageError(f"block_size {block_size} needs a drafter; pass a drafter directory "
                              "or use block_size 1")
+        if prompt_lookup and block_size <= 1:
+            raise UsageError("prompt lookup drafts alongside a DFlash drafter and uses its block "
+                             "size; pass a drafter or turn prompt lookup off")
         if max_seq_len < 2:
             raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
         return cls(model, tokenizer, drafter, device=device, block_size=block_size,
