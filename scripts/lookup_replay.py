@@ -11,15 +11,13 @@ policy; docs/benchmarks.md ("Prompt lookup") has the numbers that chose dflash.l
 
 import argparse
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_trt.dflash.drafter import DFlashDraftModel
-from dflash_trt.dflash.estimate import greedy_length, replay
+from dflash_trt.dflash.estimate import replay, replay_inputs
 from dflash_trt.dflash.features import FeatureStore
 from dflash_trt.dflash.lookup import lookup_drafts
-from dflash_trt.dflash.train import draft_hidden
 from dflash_trt.sources import resolve_source
 
 NGRAMS = [(4, 2), (2, 2), (3, 2), (6, 2), (4, 1), (4, 3)]  # (max_ngram, min_ngram)
@@ -40,40 +38,27 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    vocab = getattr(drafter, "draft_vocab", None)
-    rows = head if vocab is None else head[vocab]
     stops = {tokenizer.eos_token_id}
     block = drafter.block_size
-
-    sequences = []  # (prompt ids, greedy continuation, DFlash drafts at every position)
-    with torch.no_grad():
-        for i in range(len(store)):
-            tokens, labels, _, start = store.sequence(i)
-            tokens, labels = np.asarray(tokens), np.asarray(labels)
-            known = min(greedy_length(tokens, labels, start), args.max_new_tokens)
-            greedy = [int(t) for t in labels[start - 1:start - 1 + known]]
-            batch = store.batch([i])
-            anchors = torch.arange(start, start + known - 1)[None]
-            anchors = anchors.clamp(max=int(batch.lengths[0]) - 1)
-            hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors, block)
-            picks = (hidden[0, :, 1:] @ rows.T).argmax(-1)  # (G-1, B-1)
-            drafts = (picks if vocab is None else vocab[picks]).tolist()
-            sequences.append((tokens[:start].tolist(), greedy, drafts))
+    # (prompt ids, the target's greedy tokens, the drafter's drafts_at(m, k)) per sequence
+    sequences = [replay_inputs(drafter, embed, head, store, i, args.max_new_tokens)
+                 for i in range(len(store))]
 
     def mean_acceptance(policy) -> tuple[float, int]:
         lengths = []
         for prompt, greedy, dflash in sequences:
             def drafts_at(m, k, prompt=prompt, greedy=greedy, dflash=dflash):
-                got = policy(prompt + greedy[:m + 1], dflash[m][:k], k)
+                got = policy(prompt + greedy[:m + 1], lambda: dflash(m, k), k)
                 return got + [-1] * (k - len(got))  # a short lookup verifies fewer drafts
             lengths += replay(drafts_at, greedy, block, args.max_new_tokens, stops)
         return sum(lengths) / len(lengths), len(lengths)
 
-    policies = {"dflash only": lambda h, d, k: d}
+    # policy(history, dflash drafts (called only when used), k) -> drafts
+    policies = {"dflash only": lambda h, d, k: d()}
     for hi, lo in NGRAMS:
         policies[f"lookup only, n {hi}..{lo}"] = lambda h, d, k, hi=hi, lo=lo: lookup_drafts(h, k, hi, lo)
         policies[f"lookup n {hi}..{lo}, else dflash"] = (
-            lambda h, d, k, hi=hi, lo=lo: lookup_drafts(h, k, hi, lo) or d)
+            lambda h, d, k, hi=hi, lo=lo: lookup_drafts(h, k, hi, lo) or d())
     print(f"{len(sequences)} held-out sequences, block {block}, max_new_tokens {args.max_new_tokens}")
     for name, policy in policies.items():
         mean, steps = mean_acceptance(policy)

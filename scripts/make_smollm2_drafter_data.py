@@ -5,7 +5,7 @@
 writes, into DATA_DIR (resumable: answers already there are kept):
 - heldout-answers.jsonl   answers to the first 32 of builtin:code-prompts (held out)
 - train-answers.jsonl     answers to builtin:chat and the other 1,281 builtin:code-prompts
-- train-answers-2.jsonl   answers to the 2,897 builtin:method-prompts
+- train-answers-2.jsonl   answers to builtin:method-prompts (2,897 prompts, 2,888 distinct)
 - stdlib-functions.jsonl  77 documented standard-library functions as plain text
 
 Answers: chat template, greedy, float32, 128 new tokens, batches of 32 (one CPU thread here:

@@ -20,8 +20,7 @@ def test_longer_ngrams_win_over_earlier_shorter_ones():
 
 
 def test_needs_min_ngram_tokens_of_match():
-    history = [5, 6, 7, 1, 8]  # only the 1-gram "8" ... never seen; "1 8" never seen either
-    assert lookup_drafts(history, 4) == []
+    assert lookup_drafts([5, 6, 7, 1, 8], 4) == []  # no n-gram of the tail occurred before
     assert lookup_drafts([5, 8, 6, 8], 2) == []  # "8" occurred, but a 1-gram is below MIN_NGRAM
     assert lookup_drafts([5, 8, 6, 8], 2, min_ngram=1) == [6, 8]
 

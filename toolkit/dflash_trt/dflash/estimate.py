@@ -67,6 +67,31 @@ def replay(drafts_at, greedy: Sequence[int], block_size: int, max_new_tokens: in
 
 
 @torch.no_grad()
+def replay_inputs(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, i: int,
+                  max_new_tokens: int):
+    """For the store's sequence i: its prompt ids, the target's greedy tokens after the prompt,
+    and drafts_at(m, k) -> the k tokens the drafter proposes after the m-th greedy token (one
+    batched drafter pass; drafting only the drafter's vocabulary, if it has one, as generate)."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    head = lm_head if vocab is None else lm_head[vocab]  # (V or K, H)
+    tokens, labels, _, start = store.sequence(i)
+    tokens, labels = np.asarray(tokens), np.asarray(labels)
+    known = min(greedy_length(tokens, labels, start), max_new_tokens)
+    greedy = [int(t) for t in labels[start - 1:start - 1 + known]]
+    batch = store.batch([i])
+    anchors = torch.arange(start, start + known - 1)[None]  # (1, G-1): every block start
+    anchors = anchors.clamp(max=int(batch.lengths[0]) - 1)
+    hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors,
+                          drafter.block_size) if known > 1 else None  # (1, G-1, Bs, H)
+
+    def drafts_at(m: int, k: int) -> list[int]:
+        picks = (hidden[0, m, 1:k + 1] @ head.T).argmax(-1)  # (k,)
+        return (picks if vocab is None else vocab[picks]).tolist()
+
+    return tokens[:start].tolist(), greedy, drafts_at
+
+
+@torch.no_grad()
 def estimate_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *,
                         max_new_tokens: int = 128, stop_token_ids: Sequence[int] = (),
                         max_sequences: int | None = None) -> AcceptanceEstimate:
@@ -75,25 +100,10 @@ def estimate_acceptance(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sto
     was_training = drafter.training
     drafter.eval()
     stops = set(stop_token_ids)
-    vocab = getattr(drafter, "draft_vocab", None)  # as generate drafts: only the drafter's vocabulary, if it has one
-    head = lm_head if vocab is None else lm_head[vocab]  # (V or K, H)
     all_lengths, per_seq = [], []
     count = len(store) if max_sequences is None else min(max_sequences, len(store))
     for i in range(count):
-        tokens, labels, _, start = store.sequence(i)
-        tokens, labels = np.asarray(tokens), np.asarray(labels)
-        known = min(greedy_length(tokens, labels, start), max_new_tokens)
-        greedy = [int(t) for t in labels[start - 1:start - 1 + known]]
-        batch = store.batch([i])
-        anchors = torch.arange(start, start + known - 1)[None]  # (1, G-1): every block start
-        anchors = anchors.clamp(max=int(batch.lengths[0]) - 1)
-        hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors,
-                              block_size) if known > 1 else None  # (1, G-1, Bs, H)
-
-        def drafts_at(m: int, k: int, hidden=hidden) -> list[int]:
-            picks = (hidden[0, m, 1:k + 1] @ head.T).argmax(-1)  # (k,)
-            return (picks if vocab is None else vocab[picks]).tolist()
-
+        _, greedy, drafts_at = replay_inputs(drafter, embed, lm_head, store, i, max_new_tokens)
         lengths = replay(drafts_at, greedy, block_size, max_new_tokens, stops)
         all_lengths.extend(lengths)
         if lengths:

@@ -6,7 +6,7 @@ model repository (or onto another machine) and still load.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -63,8 +63,8 @@ class EngineSpec:
             raise DflashTrtError(f"{path}: expected a mapping")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        optional = {"defaults", "prompt_lookup"}
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in optional)
+        missing = sorted(f.name for f in fields(cls) if f.name not in data
+                         and f.default is MISSING and f.default_factory is MISSING)
         if unknown or missing:
             raise DflashTrtError(f"{path}: unknown keys {unknown}, missing keys {missing}; "
                                  "rebuild with `dflash-trt build RECIPE --force compile`")
