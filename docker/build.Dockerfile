@@ -18,6 +18,8 @@ RUN python3 -c "from tensorrt_llm.llmapi import DFlashDecodingConfig"
 WORKDIR /opt/dflash-trt
 COPY pyproject.toml README.md ./
 COPY toolkit/ toolkit/
+COPY plugins/ plugins/
+COPY triton_repo/ triton_repo/
 COPY recipes/ recipes/
 RUN pip install --no-cache-dir . "tritonclient[grpc]==2.73.0" "gguf==0.17.1" \
     && useradd --create-home --uid 1000 dflash \

@@ -19,6 +19,8 @@ RUN useradd --create-home --uid 1000 dflash
 WORKDIR /opt/dflash-trt
 COPY pyproject.toml README.md ./
 COPY toolkit/ toolkit/
+COPY plugins/ plugins/
+COPY triton_repo/ triton_repo/
 # The local package pins its own dependencies (pyproject.toml), hence no version here.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[cpu]" \

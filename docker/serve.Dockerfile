@@ -22,6 +22,8 @@ RUN python3 -c "from tensorrt_llm.llmapi import DFlashDecodingConfig"
 WORKDIR /opt/dflash-trt
 COPY pyproject.toml README.md ./
 COPY toolkit/ toolkit/
+COPY plugins/ plugins/
+COPY triton_repo/ triton_repo/
 # Core package only: the Triton model needs dflash_trt's engine adapter, not torch extras.
 RUN pip install --no-cache-dir .
 

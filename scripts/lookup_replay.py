@@ -4,7 +4,7 @@
 
 STORE is a held-out feature store written by `dflash-trt train-drafter --heldout ...`
 (OUTPUT/cache/heldout-features); DRAFTER a drafter directory. Greedy decoding is replayed as in
-dflash.estimate (no target forwards): the DFlash drafts come from one batched drafter pass, the
+training.estimate (no target forwards): the DFlash drafts come from one batched drafter pass, the
 lookup drafts from dflash.lookup on prompt + output so far. Prints the mean acceptance length per
 policy; docs/benchmarks.md ("Prompt lookup") has the numbers that chose dflash.lookup's sizes.
 """
@@ -14,11 +14,11 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_trt.build.resolve import resolve_source
 from dflash_trt.dflash.drafter import DFlashDraftModel
-from dflash_trt.dflash.estimate import replay, replay_inputs
-from dflash_trt.dflash.features import FeatureStore
 from dflash_trt.dflash.lookup import lookup_drafts
-from dflash_trt.sources import resolve_source
+from dflash_trt.training.estimate import replay, replay_inputs
+from dflash_trt.training.features import FeatureStore
 
 NGRAMS = [(4, 2), (2, 2), (3, 2), (6, 2), (4, 1), (4, 3)]  # (max_ngram, min_ngram)
 

@@ -1,8 +1,8 @@
 """DFlash speculative plugin: KV injection, block-draft attention and acceptance as torch ops.
 
-Import through `dflash_trt.plugins.load_dflash_ops()`, which finds this folder in a checkout or in
-the installed package and imports it exactly once (the ops register themselves with torch.library
-on import, and a second registration would fail).
+This folder is the package `dflash_trt.plugins.dflash` (pyproject.toml maps it with setuptools
+`package-dir`; the wheel ships it). Import it through `dflash_trt.plugins.load_dflash_ops()`:
+importing it registers the ops with torch.library.
 """
 
 from __future__ import annotations

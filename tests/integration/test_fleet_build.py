@@ -5,17 +5,14 @@ matter to the build (36 Qwen3 layers, the full 151,936-token vocabulary, a 5-lay
 reading layers [1, 9, 17, 25, 33] with mask token 151669). Everything else is the shipped recipe.
 """
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
+from quant_fixtures import char_tokenizer  # noqa: E402
 
 from dflash_trt.cli import cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from quant_fixtures import char_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration

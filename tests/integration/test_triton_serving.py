@@ -9,28 +9,24 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from dflash_fixtures import tiny_target  # noqa: E402
 from quant_fixtures import make_recipe, stage_context, write_resolved  # noqa: E402
 
-from dflash_trt.client import (  # noqa: E402
+from dflash_trt.build.compile import run_compile_stage  # noqa: E402
+from dflash_trt.build.emit import emit_repository, run_emit_stage  # noqa: E402
+from dflash_trt.engines import load_engine  # noqa: E402
+from dflash_trt.engines.base import SamplingParams, collect  # noqa: E402
+from dflash_trt.serving.client import (  # noqa: E402
     GenerateRequest,
     GrpcClient,
     HttpClient,
     TritonRequestError,
 )
-from dflash_trt.engines import load_engine  # noqa: E402
-from dflash_trt.engines.base import SamplingParams, collect  # noqa: E402
-from dflash_trt.engines.compile import run_compile_stage  # noqa: E402
-from dflash_trt.server import TritonServer, group_members  # noqa: E402
-from dflash_trt.triton import emit_repository, run_emit_stage  # noqa: E402
+from dflash_trt.serving.server import TritonServer, group_members  # noqa: E402
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("pytriton", reason="needs the tritonserver bundled in nvidia-pytriton")

@@ -142,6 +142,18 @@ def test_copied_sources_exist_and_are_not_dockerignored():
                 assert top not in ignored, f"{path.name}: COPY {src} is excluded by .dockerignore"
 
 
+# What `pip install .` builds the package from (pyproject.toml maps plugins/dflash into it, and
+# toolkit/dflash_trt/build/triton_repo links to triton_repo/).
+PACKAGE_SOURCES = {"pyproject.toml", "README.md", "toolkit/", "plugins/", "triton_repo/"}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_images_copy_everything_the_package_is_built_from(path):
+    copied = {src for kw, args in instructions(path) if kw == "COPY"
+              for src in [a for a in shlex.split(args) if not a.startswith("--")][:-1]}
+    assert PACKAGE_SOURCES <= copied, sorted(PACKAGE_SOURCES - copied)
+
+
 # ---- ports and health ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["serve.Dockerfile", "cpu.Dockerfile"])

@@ -71,7 +71,7 @@ def test_encode_prompt_is_plain_or_templated_and_refuses_a_missing_template():
 
 
 def test_jsonl_rows_must_be_objects_for_prompts_and_training_data(tmp_path):
-    from dflash_trt import corpus
+    from dflash_trt.training import corpus
 
     f = tmp_path / "rows.jsonl"
     f.write_text('{"prompt": "ok"}\n\n[1, 2]\n')

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from dflash_fixtures import VOCAB, tiny_drafter, tiny_target
 
-from dflash_trt.corpus import TokenSequence
 from dflash_trt.dflash.target import HFTarget
+from dflash_trt.training.corpus import TokenSequence
 
 
 def bigram_target():

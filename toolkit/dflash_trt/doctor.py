@@ -57,7 +57,7 @@ def _torch() -> list[Check]:
 
 def _tritonserver() -> Check:
     from dflash_trt.errors import DflashTrtError
-    from dflash_trt.server import find_tritonserver
+    from dflash_trt.serving.server import find_tritonserver
 
     try:
         install = find_tritonserver()

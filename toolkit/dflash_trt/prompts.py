@@ -16,8 +16,14 @@ from pathlib import Path
 
 from dflash_trt.errors import UsageError
 
+# The builtin names a recipe may use; what they hold is here (prompt sets) and in training.corpus.
 HUMANEVAL = "builtin:humaneval"
 CHAT = "builtin:chat"
+STDLIB = "builtin:python-stdlib"
+CODE_PROMPTS = "builtin:code-prompts"
+METHOD_PROMPTS = "builtin:method-prompts"
+BUILTIN_PROMPTS = (HUMANEVAL, CHAT)  # verify and benchmark prompt sets
+BUILTIN_DATA = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)  # training and calibration data
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

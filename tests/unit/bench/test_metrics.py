@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash_trt.bench_metrics import (
+from dflash_trt.bench.metrics import (
     Chunk,
     Distribution,
     RequestTimeline,

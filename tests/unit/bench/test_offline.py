@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from dflash_fixtures import random_prompts, tiny_drafter, tiny_target  # noqa: E402
 
-from dflash_trt.bench_offline import (  # noqa: E402
+from dflash_trt.bench.offline import (  # noqa: E402
     DFLASH,
     DFLASH_LOOKUP,
     HF_GREEDY,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dflash_trt.bench import (
+from dflash_trt.bench.served import (
     BASELINE,
     DFLASH,
     BenchConfig,

@@ -12,9 +12,9 @@ import pytest
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
 from dflash_trt.recipe import TritonSection
-from dflash_trt.triton import emit_repository, instance_kind, render_config, templates_dir
+from dflash_trt.build.emit import emit_repository, instance_kind, render_config, templates_dir
 
-CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[2] / "triton_repo"
+CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[3] / "triton_repo"
 
 
 def fake_engine(root: Path, backend="torch", device="cpu", max_batch_size=2) -> Path:
@@ -34,8 +34,8 @@ def parse_config(path: Path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-def test_checkout_templates_are_the_packaged_templates():
-    # One source of truth: triton_repo/ in the checkout links to the package data.
+def test_packaged_templates_are_the_checkout_templates():
+    # One source of truth: the package reaches the checkout's triton_repo/ through a link.
     packaged = templates_dir()
     assert CHECKOUT_TEMPLATES.resolve() == packaged.resolve()
     files = sorted(p.relative_to(packaged) for p in packaged.rglob("*")
@@ -115,7 +115,7 @@ def test_installed_package_emits_from_any_working_directory(tmp_path):
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     code = ("import sys; from pathlib import Path; from dflash_trt.recipe import TritonSection; "
-            "from dflash_trt.triton import emit_repository; "
+            "from dflash_trt.build.emit import emit_repository; "
             "print(emit_repository(Path(sys.argv[1]), Path('repo'), TritonSection(), 'cpu'))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code, str(engine)], cwd=workdir, env=env,

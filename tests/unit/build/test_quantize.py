@@ -13,10 +13,11 @@ pytest.importorskip("modelopt.torch.quantization")
 from dflash_fixtures import tiny_target  # noqa: E402
 from quant_fixtures import char_tokenizer, make_recipe, stage_context, write_resolved  # noqa: E402
 
-from dflash_trt import qformats as qf  # noqa: E402
-from dflash_trt.checkpoint import lint_checkpoint  # noqa: E402
+from dflash_trt.formats import qformats as qf  # noqa: E402
+from dflash_trt.formats.load import load_drafter, load_target  # noqa: E402
+from dflash_trt.formats.lint import lint_checkpoint  # noqa: E402
 from dflash_trt.errors import UsageError  # noqa: E402
-from dflash_trt.quantize import (  # noqa: E402
+from dflash_trt.build.quantize import (  # noqa: E402
     CalibrationData,
     build_calibration,
     export_target,
@@ -98,7 +99,7 @@ def test_fp8_export_layout_and_error(exported):
 
 
 def test_loaded_fp8_model_computes_what_modelopt_computed(exported):
-    model = qf.load_quantized_target(exported["fp8"], "float32", "cpu")
+    model = load_target(exported["fp8"], dtype="float32", device="cpu")
     assert isinstance(model.model.layers[0].mlp.up_proj, qf.QuantLinear)
     with torch.no_grad():
         logits = model(exported["x"]).logits
@@ -107,7 +108,7 @@ def test_loaded_fp8_model_computes_what_modelopt_computed(exported):
 
 def test_loaded_nvfp4_layer_computes_what_modelopt_computed(exported):
     # o_proj is in no fused group, so export keeps its own scales: the layer must match exactly.
-    model = qf.load_quantized_target(exported["nvfp4"], "float32", "cpu")
+    model = load_target(exported["nvfp4"], dtype="float32", device="cpu")
     layer = model.model.layers[1].self_attn.o_proj
     assert isinstance(layer, qf.QuantLinear) and layer.act_format == "nvfp4"
     with torch.no_grad():
@@ -160,9 +161,7 @@ def test_quantize_stage_writes_linted_nvfp4_target_and_drafter(tmp_path):
     assert (drafter_dir / "draft_vocab.json").read_text() == '{"token_ids": [3, 4]}'  # kept
     assert qf.read_quant_config(drafter_dir).quant_algo == "NVFP4"
     assert tensors(drafter_dir)["fc.weight"].dtype == torch.uint8
-    drafter = DFlashDraftModel.from_pretrained(
-        drafter_dir, state_dict=qf.load_quantized_drafter_state(drafter_dir))
-    qf.attach_activation_quant(drafter, drafter_dir)
+    drafter = load_drafter(drafter_dir)
     assert isinstance(drafter.fc, qf.QuantLinear) and drafter.fc.act_format == "nvfp4"
     plain = DFlashDraftModel.from_pretrained(ctx.stage_dir("resolve") / "drafter")
     noise, feats = torch.randn(1, 4, 64), torch.randn(1, 6, 128)

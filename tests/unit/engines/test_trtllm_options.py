@@ -1,7 +1,7 @@
 """llm_api_options: the TensorRT-LLM LLM API options written for a DFlash engine.
 
 Runs without tensorrt_llm: the option names are checked against the list shipped in
-dflash_trt/data/trtllm_llm_api_options.yaml (taken from a named TensorRT-LLM version).
+dflash_trt/engines/trtllm_llm_api_options.yaml (taken from a named TensorRT-LLM version).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dflash_trt.engines.trtllm_options import (
 from dflash_trt.errors import DflashTrtError
 from dflash_trt.recipe import load_recipe
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 QWEN_LAYERS = [1, 9, 17, 25, 33]  # build_target_layer_ids(36, 5), as in z-lab/Qwen3-8B-DFlash-b16
 
 

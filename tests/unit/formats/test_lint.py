@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from dflash_trt import qformats as qf
-from dflash_trt.checkpoint import lint_checkpoint, lint_drafter_compat, lint_pair
 from dflash_trt.commands.quantize import lint_checkpoint as lint_command
+from dflash_trt.formats import qformats as qf
+from dflash_trt.formats.lint import lint_checkpoint, lint_drafter_compat, lint_pair
 
 LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj")
 HIDDEN, VOCAB, NUM_LAYERS = 64, 128, 4

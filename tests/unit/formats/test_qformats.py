@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_trt import qformats as qf
+from dflash_trt.formats import qformats as qf
 
 
 def test_e2m1_rounds_to_nearest_ties_to_even_and_saturates():

@@ -9,7 +9,7 @@ import yaml
 from dflash_trt.errors import RecipeError
 from dflash_trt.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
 
 GOOD = """\

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_trt.client import Chunk, GenerateRequest, GenerateResult, chunk_from, connect
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.serving.client import Chunk, GenerateRequest, GenerateResult, chunk_from, connect
 
 
 def test_inputs_include_only_what_is_set():

@@ -1,4 +1,4 @@
-"""Request validation of the Triton model (dflash_trt.serving), without a server."""
+"""Request validation of the Triton model (dflash_trt.serving.requests), without a server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from dflash_trt.engines.base import StepOutput
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
-from dflash_trt.serving import BadRequest, Totals, output_arrays, parse_request
+from dflash_trt.serving.requests import BadRequest, Totals, output_arrays, parse_request
 
 SPEC = EngineSpec(backend="torch", target="target", drafter="drafter", dtype="float32",
                   device="cpu", block_size=4, max_batch_size=1, max_seq_len=64,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.server import (
+from dflash_trt.serving.server import (
     TritonServer,
     find_tritonserver,
     free_port,

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from dflash_trt import corpus
 from dflash_trt.errors import UsageError
+from dflash_trt.training import corpus
 
 
 class CharTokenizer:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from train_fixtures import greedy_sequences, setup
 
-from dflash_trt.corpus import TokenSequence
-from dflash_trt.dflash.estimate import estimate_acceptance, replay
-from dflash_trt.dflash.features import OnTheFlyFeatures, build_store
 from dflash_trt.dflash.generate import generate
-from dflash_trt.dflash.train import TrainConfig, Trainer
+from dflash_trt.training.corpus import TokenSequence
+from dflash_trt.training.estimate import estimate_acceptance, replay
+from dflash_trt.training.features import OnTheFlyFeatures, build_store
+from dflash_trt.training.train import TrainConfig, Trainer
 
 
 def test_replay_counts_like_generate():

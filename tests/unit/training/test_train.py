@@ -9,9 +9,10 @@ import pytest
 import torch
 from train_fixtures import greedy_sequences, setup
 
-from dflash_trt.dflash.estimate import estimate_acceptance
-from dflash_trt.dflash.features import OnTheFlyFeatures, build_store
-from dflash_trt.dflash.train import (
+from dflash_trt.errors import DflashTrtError
+from dflash_trt.training.estimate import estimate_acceptance
+from dflash_trt.training.features import OnTheFlyFeatures, build_store
+from dflash_trt.training.train import (
     CheckpointSaved,
     StepStats,
     TrainConfig,
@@ -20,7 +21,6 @@ from dflash_trt.dflash.train import (
     lr_factor,
     sample_anchors,
 )
-from dflash_trt.errors import DflashTrtError
 
 CONFIG = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=4, block_size=4,
                      anchors_per_seq=8, gamma=4.0, seed=0, checkpoint_every=0, eval_every=0)

@@ -4,14 +4,14 @@ For each concurrency level, `concurrency` workers each keep exactly one streamin
 flight until the level's `num_requests` have been sent (closed loop, like GenAI-Perf's
 `--concurrency`). Each worker owns its own client (a gRPC stream carries one request at a time),
 connected before the level starts so connection set-up is not measured. Every streamed response is
-timestamped on arrival; bench_metrics turns the timelines into TTFT, ITL, latency and throughput.
+timestamped on arrival; bench.metrics turns the timelines into TTFT, ITL, latency and throughput.
 
 With a baseline, every level runs twice on the same server: DFlash (the server's default number of
 draft tokens) and the same model with `num_draft_tokens=0`. The two runs of a level are back to
 back and their order alternates from level to level, so slow drift of a shared machine does not
 favour one mode.
 
-No torch here: tritonclient via dflash_trt.client, matplotlib only when plots are written.
+No torch here: tritonclient via dflash_trt.serving.client, matplotlib only when plots are written.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_trt.bench_metrics import (
+from dflash_trt.bench.metrics import (
     Chunk,
     LevelStats,
     RequestTimeline,
@@ -259,13 +259,34 @@ def run_benchmark(make_sender: Callable[[], tuple[Sender, Callable[[], None]]],
 
 
 def triton_sender_factory(url: str, protocol: str, model_name: str):
-    """make_sender for run_level: one dflash_trt.client connection per worker."""
-    from dflash_trt import client as triton_client
-
+    """make_sender for run_level: one dflash_trt.serving.client connection per worker."""
     def make_sender():
-        return triton_client.bench_sender(url, protocol=protocol, model_name=model_name)
+        return triton_sender(url, protocol=protocol, model_name=model_name)
 
     return make_sender
+
+
+def triton_sender(url: str, *, protocol: str, model_name: str):
+    """(sender, close): a Sender over one tritonclient connection (gRPC or HTTP streaming)."""
+    from dflash_trt.serving.client import GenerateRequest, TritonTimeoutError, connect
+
+    client = connect(url, protocol, model_name)
+
+    def send(prompt: str, options: RequestOptions) -> Iterator[StreamEvent]:
+        client.timeout_s = options.timeout_s
+        request = GenerateRequest(prompt=prompt, max_tokens=options.max_tokens,
+                                  temperature=options.temperature,
+                                  num_draft_tokens=options.num_draft_tokens)
+        try:
+            for chunk in client.stream(request):
+                yield StreamEvent(num_tokens=len(chunk.token_ids),
+                                  acceptance_length=chunk.acceptance_length,
+                                  total_draft_tokens=chunk.total_draft_tokens,
+                                  total_accepted_draft_tokens=chunk.total_accepted_draft_tokens)
+        except TritonTimeoutError as exc:
+            raise RequestTimeout(str(exc)) from None
+
+    return send, client.close
 
 
 # --- outputs -----------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ than the server. The tensorrt_llm backend is not loaded: TensorRT-LLM runs on th
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from pathlib import Path
 
+from dflash_trt.build.devices import build_device, resolve_device
+from dflash_trt.build.files import link_or_copy_tree
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
 from dflash_trt.errors import DflashTrtError
 
@@ -25,46 +25,6 @@ TRTLLM_BUILD_REMOVED = (
     "engine.build_path: trtllm_build is not available: TensorRT-LLM removed its trtllm-build "
     "engine path in 2026 and its C++ runtime never had a DFlash speculative mode; use "
     "engine.build_path: llm_api (TensorRT-LLM's PyTorch backend with DFlashDecodingConfig)")
-
-
-def link_or_copy_tree(src: Path, dst: Path) -> str:
-    """Replicate a directory with hard links (same filesystem) or copies; return which."""
-    how = "hardlink"
-
-    def link_or_copy(s: str, d: str) -> None:
-        nonlocal how
-        try:
-            os.link(s, d)
-        except OSError:  # another filesystem, or links not allowed
-            how = "copy"
-            shutil.copy2(s, d)
-
-    shutil.copytree(src, dst, copy_function=link_or_copy, symlinks=False)
-    return how
-
-
-def resolve_device(device: str, hardware: str) -> str:
-    """engine.device `auto` means cuda on GPU hardware, cpu on `cpu`."""
-    if device != "auto":
-        return device
-    return "cpu" if hardware == "cpu" else "cuda"
-
-
-def build_device(device: str, hardware: str) -> str:
-    """Where build stages (quantize, verify, the smoke test) compute: the recipe's device when
-    this machine has it, else the CPU. A GPU recipe may be built without a GPU; the artifacts are
-    the same either way."""
-    import warnings
-
-    import torch
-
-    want = resolve_device(device, hardware)
-    if want == "cpu" or torch.cuda.is_available():
-        return want
-    if device.startswith("cuda"):  # asked for by name, not by `auto`: say where it runs instead
-        warnings.warn(f"engine.device {device!r} but CUDA is not available here; build stages "
-                      "run on the CPU (same artifacts, much slower for large models)", stacklevel=2)
-    return "cpu"
 
 
 def run_compile_stage(ctx) -> dict:

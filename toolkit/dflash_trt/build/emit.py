@@ -6,8 +6,9 @@
   1/model.py            the Python-backend model (a verbatim copy)
   1/engine/             the compiled engine directory (copied, or hard-linked)
 
-The templates ship inside the package (dflash_trt/data/triton_repo; the checkout's
-triton_repo/ is a link to it), so an installed dflash-trt emits from any directory.
+The templates are the checkout's top-level triton_repo/; the package reaches them through the link
+dflash_trt/build/triton_repo, and a wheel ships a copy there (package data), so an installed
+dflash-trt emits from any directory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from dflash_trt.engines.compile import link_or_copy_tree
+from dflash_trt.build.files import link_or_copy_tree
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
 
@@ -27,7 +28,7 @@ VERSION = "1"
 
 def templates_dir() -> Path:
     """The packaged triton_repo/ templates."""
-    path = Path(str(resources.files("dflash_trt") / "data" / "triton_repo"))
+    path = Path(str(resources.files("dflash_trt.build") / "triton_repo"))
     if not (path / TEMPLATE_MODEL / "config.pbtxt").is_file():
         raise DflashTrtError(f"the Triton templates are missing from {path}; reinstall dflash-trt")
     return path

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import click
 
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.pipeline import StageResult, read_manifest, run_pipeline
+from dflash_trt.build.pipeline import StageResult, read_manifest, run_pipeline
 from dflash_trt.recipe import Recipe
 
 

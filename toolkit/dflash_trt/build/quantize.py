@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.build.devices import torch_device
+from dflash_trt.build.files import copy_tree, dir_bytes
 from dflash_trt.errors import DflashTrtError, UsageError
 
 FORMAT_CONFIGS = {  # recipe format -> ModelOpt preset
@@ -63,7 +65,7 @@ class CalibrationData:
 def _texts(spec: str, tokenizer, chat_template: bool) -> Iterator[str]:
     """Calibration texts of one data spec (the training corpus's specs): documents as they are,
     prompts chat-templated when asked (followed by their response when the data has one)."""
-    from dflash_trt import corpus
+    from dflash_trt.training import corpus
 
     if spec not in corpus.BUILTINS and not Path(spec).expanduser().is_file():
         raise UsageError(f"quantize.calibration.data: {spec} does not exist")
@@ -135,7 +137,7 @@ def mtq_config(fmt: str, kv_cache: str = "none") -> dict:
 
 def _nvfp4_backend(x, quantizer):
     """ModelOpt backend entry point: NVFP4 fake quantization in pure torch (any device)."""
-    from dflash_trt.qformats import nvfp4_fake_quantize, nvfp4_global_scale
+    from dflash_trt.formats.qformats import nvfp4_fake_quantize, nvfp4_global_scale
 
     amax = quantizer.amax if quantizer.amax is not None else x.detach().abs().amax()
     return nvfp4_fake_quantize(x, nvfp4_global_scale(amax.float()))
@@ -250,7 +252,7 @@ def quantized_drafter_state(drafter, fmt: str, plain_state: dict) -> dict:
     """The drafter's tensors in the exported format, from ModelOpt's calibrated amax values."""
     import torch
 
-    from dflash_trt import qformats as qf
+    from dflash_trt.formats import qformats as qf
 
     algo = DRAFTER_ALGOS[fmt]
     layers = {name: m for name, m in drafter.named_modules()
@@ -319,24 +321,6 @@ def export_drafter(drafter, fmt: str, src_dir: Path, out: Path) -> None:
 # --- the stage ------------------------------------------------------------------------------
 
 
-def torch_device(recipe):
-    """The device build stages compute on (see engines.compile.build_device)."""
-    import torch
-
-    from dflash_trt.engines.compile import build_device
-
-    return torch.device(build_device(recipe.engine.device, recipe.hardware))
-
-
-def _copy_dir(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, copy_function=shutil.copyfile)
-
-
-def dir_bytes(path: Path) -> int:
-    """Total bytes of the files under path."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def _check_supported(q) -> None:
     if q.drafter.kv_cache != "none":
         raise UsageError("quantize.drafter.kv_cache: the drafter's KV cache holds injected "
@@ -348,7 +332,7 @@ def _check_supported(q) -> None:
 
 def run_quantize_stage(ctx) -> dict:
     """Pipeline stage `quantize`: resolved/{target,drafter} -> quantized/{target,drafter}, linted."""
-    from dflash_trt.checkpoint import lint_pair
+    from dflash_trt.formats.lint import lint_pair
 
     q = ctx.recipe.quantize
     _check_supported(q)
@@ -359,8 +343,8 @@ def run_quantize_stage(ctx) -> dict:
                   "drafter": {"format": q.drafter.format}}
     timings: dict[str, float] = {}
     if q.target.format == "none" and q.drafter.format == "none":
-        _copy_dir(src_target, out_target)
-        _copy_dir(src_drafter, out_drafter)
+        copy_tree(src_target, out_target)
+        copy_tree(src_drafter, out_drafter)
     else:
         info["calibration"] = _quantize_and_export(ctx, src_target, src_drafter, timings)
     findings = lint_pair(out_target, out_drafter)
@@ -411,14 +395,14 @@ def _quantize_and_export(ctx, src_target: Path, src_drafter: Path, timings: dict
         export_drafter(drafter, q.drafter.format, src_drafter, ctx.out / "drafter")
         timings["calibrate_export_drafter"] = time.monotonic() - t0
     else:
-        _copy_dir(src_drafter, ctx.out / "drafter")
+        copy_tree(src_drafter, ctx.out / "drafter")
 
     t0 = time.monotonic()
     if q.target.format != "none":
         with ctx.progress("export target", total=None):
             export_target(target, src_target, ctx.out / "target", store_dtype)
     else:
-        _copy_dir(src_target, ctx.out / "target")
+        copy_tree(src_target, ctx.out / "target")
     timings["export_target"] = time.monotonic() - t0
     return {"sources": list(calib.sources), "num_sequences": calib.num_sequences,
             "seq_len": cal.seq_len, "batch_size": cal.batch_size, "sha256": calib.sha256,

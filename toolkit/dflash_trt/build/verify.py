@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trt.engines.base import first_mismatch
 from dflash_trt.errors import DflashTrtError
 
 REPORT_JSON = "verify.json"
@@ -81,14 +82,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where two token lists differ (None when equal)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def gate_failures(report: VerifyReport, min_acceptance_length: float,
                   max_acceptance_drop: float) -> list[str]:
     """The gates: lossless output, minimum acceptance, maximum acceptance drop."""
@@ -147,18 +140,6 @@ def quantization_error(quantized, reference, sequences: list[list[int]], device)
             kl_sum += float((log_r.exp() * (log_r - log_q)).sum())  # sum over positions
             n += ids.shape[1]
     return QuantError(positions=n, top1_agreement=agree / max(n, 1), mean_kl=kl_sum / max(n, 1))
-
-
-def load_target_model(target_dir: Path, dtype: str, device):
-    """A HF model for a target dir, quantized (qformats) or plain."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dflash_trt.qformats import is_quantized_checkpoint, load_quantized_target
-
-    if is_quantized_checkpoint(target_dir):
-        return load_quantized_target(target_dir, dtype, str(device))
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -242,9 +223,10 @@ def _load_quantized_engine(engine_cls, quant_dir: Path, recipe, load: dict):
 
 def run_verify_stage(ctx) -> dict:
     """Pipeline stage `verify`: measure, write reports, fail on a broken gate."""
+    from dflash_trt.build.devices import torch_device
     from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.formats.load import load_target
     from dflash_trt.prompts import load_prompts
-    from dflash_trt.quantize import torch_device
 
     recipe, v = ctx.recipe, ctx.recipe.verify
     quant_dir, base_dir = ctx.stage_dir("quantize"), ctx.stage_dir("resolve")
@@ -285,8 +267,8 @@ def run_verify_stage(ctx) -> dict:
     if recipe.quantize.target.format != "none":
         with ctx.progress("verify: target quantization error", total=1) as task:
             held_out = [ids + tok for ids, (tok, _) in zip(prompt_ids, base, strict=True)]
-            quantized = load_target_model(quant_dir / "target", dtype, device)
-            reference = load_target_model(base_dir / "target", dtype, device)
+            quantized = load_target(quant_dir / "target", dtype=dtype, device=str(device))
+            reference = load_target(base_dir / "target", dtype=dtype, device=str(device))
             report.quant_error = quantization_error(quantized, reference, held_out, device)
             task.advance()
 

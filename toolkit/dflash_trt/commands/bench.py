@@ -79,7 +79,7 @@ def _progress():
 def bench_command(url, protocol, model_name, prompt_spec, num_prompts, concurrency, num_requests,
                   max_tokens, temperature, baseline, warmup, timeout_s, output_dir):
     """Load-test a served DFlash model: TTFT, ITL, latency, throughput, acceptance."""
-    from dflash_trt import bench
+    from dflash_trt.bench import served as bench
     from dflash_trt.prompts import load_prompts
 
     url = _url(url)
@@ -147,7 +147,7 @@ def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tok
     """DFlash vs plain decoding vs transformers generate (greedy, prompt lookup), no server."""
     import torch
 
-    from dflash_trt import bench_offline as off
+    from dflash_trt.bench import offline as off
     from dflash_trt.prompts import load_prompts
 
     if threads is not None:

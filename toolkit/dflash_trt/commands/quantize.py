@@ -19,7 +19,7 @@ def lint_checkpoint(ctx: click.Context, checkpoint: str, drafter: str | None) ->
     exclude list against what is stored, bytes on disk against the format, and with --drafter the
     drafter's fit to the target (hidden size, vocabulary, target layers, mask token, RoPE).
     """
-    from dflash_trt.checkpoint import lint_pair
+    from dflash_trt.formats.lint import lint_pair
 
     findings = lint_pair(checkpoint, drafter)
     for finding in findings:

@@ -55,7 +55,7 @@ def _on_sigterm(signum, frame):
 def serve(repo: Path, http_port, grpc_port, metrics_port, host, tritonserver, model_name,
           query_text, max_tokens) -> None:
     """Serve a Triton model repository (from `dflash-trt build`) until Ctrl-C or SIGTERM."""
-    from dflash_trt.server import TritonServer
+    from dflash_trt.serving.server import TritonServer
 
     default = DEMO_PORT if query_text is not None else None
 
@@ -88,7 +88,7 @@ def serve(repo: Path, http_port, grpc_port, metrics_port, host, tritonserver, mo
 
 
 def _demo_query(url: str, model_name: str, prompt: str, max_tokens: int | None) -> None:
-    from dflash_trt.client import GenerateRequest, GenerateResult, GrpcClient
+    from dflash_trt.serving.client import GenerateRequest, GenerateResult, GrpcClient
 
     client = GrpcClient(url, model_name)
     try:
@@ -135,7 +135,7 @@ def _stats_line(result) -> str:
 def query(url, protocol, model_name, prompts, prompts_file, stream, max_tokens, temperature,
           num_draft_tokens, seed, as_json, timeout_s) -> None:
     """Send prompts to a served dflash model and print the answers."""
-    from dflash_trt.client import GenerateRequest, GenerateResult, connect, generate_once
+    from dflash_trt.serving.client import GenerateRequest, GenerateResult, connect, generate_once
 
     if bool(prompts) == bool(prompts_file):
         raise UsageError("give --prompt TEXT (repeatable) or --prompts-file FILE, not both "

@@ -71,7 +71,7 @@ def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len
 def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tokens: int,
                    on_progress):
     """The samples, with prompts that lack a response answered by the target (cached)."""
-    from dflash_trt import corpus
+    from dflash_trt.training import corpus
 
     pending = [s.prompt for s in samples if s.needs_answer]
     answered = {}
@@ -157,13 +157,19 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_trt import corpus
+    from dflash_trt.build.resolve import resolve_source
     from dflash_trt.dflash.drafter import DFlashDraftModel, init_drafter_for_target
-    from dflash_trt.dflash.estimate import estimate_acceptance
-    from dflash_trt.dflash.features import FeatureStore, build_store
     from dflash_trt.dflash.target import HFTarget
-    from dflash_trt.dflash.train import CheckpointSaved, EvalStats, StepStats, TrainConfig, Trainer
-    from dflash_trt.sources import resolve_source
+    from dflash_trt.training import corpus
+    from dflash_trt.training.estimate import estimate_acceptance
+    from dflash_trt.training.features import FeatureStore, build_store
+    from dflash_trt.training.train import (
+        CheckpointSaved,
+        EvalStats,
+        StepStats,
+        TrainConfig,
+        Trainer,
+    )
 
     if threads:
         torch.set_num_threads(threads)

@@ -358,7 +358,7 @@ def load_drafter_config(path: Path):
     if raw.get("use_sliding_window"):
         raise DflashTrtError(f"{file}: sliding-window drafters are not supported")
     raw.pop("auto_map", None)  # never run checkpoint code; this module is the implementation
-    raw.pop("quantization_config", None)  # handled by dflash_trt.qformats before we get here
+    raw.pop("quantization_config", None)  # handled by dflash_trt.formats.load before we get here
     for drop in ("model_type", "transformers_version"):
         raw.pop(drop, None)
     raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])

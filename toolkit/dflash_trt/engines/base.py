@@ -86,3 +86,11 @@ def collect(steps: Iterator[StepOutput]) -> GenerationResult:
         if step.finished:
             result.finish_reason = step.finish_reason
     return result
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None when equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

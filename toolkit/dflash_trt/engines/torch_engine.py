@@ -7,7 +7,6 @@ what batch size 1 speculative decoding does anyway.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,18 +15,6 @@ from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
 from dflash_trt.errors import DflashTrtError, UsageError
 from dflash_trt.prompts import encode_prompt
-
-# float64 exists for exactness checks: with fake-quantized activations, float32 rounding that
-# depends on the matmul shape (1-token decode vs k-token verify) can flip a quantization step.
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPES:
-        raise UsageError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
 
 
 def _pick_device(device: str) -> str:
@@ -38,42 +25,6 @@ def _pick_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     return device
-
-
-def _qformats():
-    from dflash_trt import qformats  # torch-only dequantization; loaded only for quantized dirs
-
-    return qformats
-
-
-def load_target(target_dir: Path, *, dtype: str, device: str):
-    """The target causal LM: plain HF checkpoint, or a ModelOpt-quantized one via qformats."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if (target_dir / "hf_quant_config.json").is_file():
-        return _qformats().load_quantized_target(target_dir, dtype=dtype, device=device)
-    if not (target_dir / "config.json").is_file():
-        raise DflashTrtError(f"{target_dir}: no config.json; expected a resolved target checkpoint")
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=_torch_dtype(dtype),
-                                                     attn_implementation="sdpa")
-    return model.to(device).eval()
-
-
-def load_drafter(drafter_dir: Path, *, dtype: str, device: str):
-    """The DFlash drafter; a quantized one is dequantized by qformats, activations quantized too."""
-    from dflash_trt.dflash.drafter import DFlashDraftModel
-
-    config_file = drafter_dir / "config.json"
-    state = None
-    if config_file.is_file() and "quantization_config" in json.loads(config_file.read_text()):
-        state = _qformats().load_quantized_drafter_state(drafter_dir)
-    model = DFlashDraftModel.from_pretrained(drafter_dir, state_dict=state,
-                                             dtype=_torch_dtype(dtype), device=device)
-    if state is not None:
-        _qformats().attach_activation_quant(model, drafter_dir)
-    return model
 
 
 def _stop_token_ids(model, tokenizer) -> list[int]:
@@ -113,6 +64,8 @@ class TorchEngine:
              max_seq_len: int = 2048, prompt_lookup: bool = False) -> TorchEngine:
         """Load a target checkpoint (and optionally a drafter) from resolved directories."""
         from transformers import AutoTokenizer
+
+        from dflash_trt.formats.load import load_drafter, load_target
 
         device = _pick_device(device)
         target_dir = Path(target_dir)

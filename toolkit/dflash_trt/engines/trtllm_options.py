@@ -2,7 +2,7 @@
 
 The same mapping is read by `tensorrt_llm.LLM(**options)` in the engine adapter and by
 `trtllm-serve TARGET --config llm_api_options.yaml`. Every option name is checked against
-`data/trtllm_llm_api_options.yaml`, a list taken from a named TensorRT-LLM version, so a misspelt or
+`engines/trtllm_llm_api_options.yaml`, a list taken from a named TensorRT-LLM version, so a misspelt or
 unsupported option fails here, on the build machine, rather than at model load on a GPU node.
 
 Paths: `speculative_model` is written relative to the engine directory when `engine_dir` is given.
@@ -61,8 +61,8 @@ class OptionNames:
 
 @cache
 def load_option_names() -> OptionNames:
-    """Read `data/trtllm_llm_api_options.yaml` shipped with the package."""
-    text = resources.files("dflash_trt").joinpath("data", "trtllm_llm_api_options.yaml").read_text()
+    """Read `engines/trtllm_llm_api_options.yaml` shipped with the package."""
+    text = resources.files("dflash_trt.engines").joinpath("trtllm_llm_api_options.yaml").read_text()
     raw = yaml.safe_load(text)
     return OptionNames(
         source=" ".join(str(raw["source"]).split()),
@@ -186,7 +186,7 @@ def check_option_names(options: Mapping[str, Any], names: OptionNames | None = N
         raise DflashTrtError(
             f"unknown TensorRT-LLM LLM API option(s) {', '.join(problems)} for TensorRT-LLM "
             f"{names.tensorrt_llm_version}; the accepted names are listed in "
-            "dflash_trt/data/trtllm_llm_api_options.yaml"
+            "dflash_trt/engines/trtllm_llm_api_options.yaml"
         )
 
 

@@ -1,9 +1,9 @@
-"""Quantized checkpoint formats in pure torch: NVFP4, FP8, INT4 (AWQ), and the loaders.
+"""Quantized checkpoint formats in pure torch: NVFP4, FP8, INT4 (AWQ).
 
-This module is what the torch engine uses to *run* a ModelOpt unified HF checkpoint on any device:
-weights are dequantized once at load, and activations are fake-quantized on every forward exactly
-as the format prescribes, so the CPU engine computes what the quantized model computes. It never
-imports modelopt; `quantize.py` reuses `nvfp4_fake_quantize` as ModelOpt's CPU backend so that the
+This module is how the torch engine *runs* a ModelOpt unified HF checkpoint on any device
+(`formats.load` builds the models): weights are dequantized once at load, and activations are
+fake-quantized on every forward exactly as the format prescribes, so the CPU engine computes what
+the quantized model computes. It never imports modelopt; the quantize stage reuses `nvfp4_fake_quantize` as ModelOpt's CPU backend so that the
 numbers seen during calibration are the numbers served.
 
 Formats (per quantized Linear, as ModelOpt exports them):
@@ -355,84 +355,9 @@ def _quant_tensor_keys(name: str) -> list[str]:
     return [f"{name}.{s}" for s in suffixes]
 
 
-def _remaining_state(state: dict[str, torch.Tensor], quantized: list[str]) -> dict[str, torch.Tensor]:
+def plain_tensors(state: dict[str, torch.Tensor], quantized: list[str]) -> dict[str, torch.Tensor]:
     """The plain tensors: drop quantized layers' tensors and KV-cache scales (k_scale, v_scale)."""
     drop = {k for name in quantized for k in _quant_tensor_keys(name)}
     return {
         k: v for k, v in state.items() if k not in drop and not k.endswith((".k_scale", ".v_scale"))
     }
-
-
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def load_quantized_target(target_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Load a ModelOpt unified HF checkpoint as a transformers model that computes what it computes.
-
-    Quantized Linears become QuantLinear (weights dequantized once, activations fake-quantized per
-    the format). KV-cache scales are read but not applied: the torch engine keeps its KV cache in
-    `dtype`. No modelopt import.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    target_dir = Path(target_dir)
-    qcfg = read_quant_config(target_dir)
-    if qcfg is None:
-        raise ValueError(f"{target_dir} has no {QUANT_CONFIG_FILE}: it is not a quantized checkpoint")
-    torch_dtype = _dtype(dtype)
-    config = AutoConfig.from_pretrained(target_dir)
-    if hasattr(config, "quantization_config"):
-        # The modelopt quantization_config would make transformers look for its own quantizer.
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    state = load_safetensors_dir(target_dir)
-    layers = build_quant_linears(state, qcfg, torch_dtype)
-    swap_in_quant_linears(model, layers)
-    plain = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in _remaining_state(state, list(layers)).items()}
-    missing, unexpected = model.load_state_dict(plain, strict=False)
-    quant_keys = {f"{n}.{s}" for n in layers for s in ("weight", "bias", "input_scale", "pre_quant_scale")}
-    missing = [k for k in missing if k not in quant_keys and not _is_tied_head(model, k)]
-    if missing or unexpected:
-        raise ValueError(f"{target_dir}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    return model.to(device).eval()
-
-
-def _is_tied_head(model: nn.Module, key: str) -> bool:
-    return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
-
-
-def load_quantized_drafter_state(drafter_dir: str | Path, dtype: str | torch.dtype = "float32") -> dict[str, torch.Tensor]:
-    """Dense state dict of a quantized drafter (weights dequantized, keys as in the plain format).
-
-    The dequantized weights alone reproduce weight quantization only. To quantize the drafter's
-    activations too, load this state and then call `attach_activation_quant(model, drafter_dir)`.
-    """
-    drafter_dir = Path(drafter_dir)
-    qcfg = read_quant_config(drafter_dir)
-    state = load_safetensors_dir(drafter_dir)
-    if qcfg is None:
-        return state
-    torch_dtype = _dtype(dtype)
-    quantized = quantized_module_names(state)
-    out = {k: v.to(torch_dtype) for k, v in _remaining_state(state, quantized).items()}
-    for name in quantized:
-        out[f"{name}.weight"] = dequantize_weight(state, name, qcfg.quant_algo, torch_dtype)
-    return out
-
-
-def attach_activation_quant(model: nn.Module, drafter_dir: str | Path, dtype: str | torch.dtype | None = None) -> nn.Module:
-    """Swap the Linears that a quantized drafter checkpoint quantizes for QuantLinears (in place).
-
-    A no-op for an unquantized checkpoint. Returns the model for chaining.
-    """
-    qcfg = read_quant_config(drafter_dir)
-    if qcfg is None:
-        return model
-    param = next(model.parameters())
-    torch_dtype = param.dtype if dtype is None else _dtype(dtype)
-    state = load_safetensors_dir(drafter_dir)
-    swap_in_quant_linears(model, build_quant_linears(state, qcfg, torch_dtype))
-    return model

@@ -1,55 +1,45 @@
-"""Finds and imports the speculative-decoding plugins that live outside the Python package.
+"""The speculative-decoding plugins: torch ops with their golden reference and tolerances.
 
-The DFlash ops live in `plugins/dflash/` (reference, Triton kernels, tolerances), a link to the
-package data `dflash_trt/data/plugins/dflash`, so a wheel ships them and a checkout edits them
-in place. Either way they are imported once, under a fixed module
-name, because importing them registers `torch.ops.dflash.*` and torch.library refuses a second
-registration.
+The DFlash ops (KV injection, block-draft attention, acceptance) are written in the checkout's
+top-level `plugins/dflash/`; pyproject.toml maps that folder to the package
+`dflash_trt.plugins.dflash` (setuptools `package-dir`), so a wheel ships it and an editable install
+imports the checkout's files in place. Import it through `load_dflash_ops()`, on first use only:
+importing it needs torch and registers `torch.ops.dflash.*`.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 from dflash_trt.errors import DflashTrtError
 
-DFLASH_MODULE = "dflash_trt_plugin_dflash"
+DFLASH_MODULE = "dflash_trt.plugins.dflash"
+# A bare checkout on sys.path (PYTHONPATH=toolkit, nothing installed; tests/gpu/run_gpu_checks.py)
+# finds the top-level plugin folders too. Installed or editable, the package-dir mapping does.
+_CHECKOUT_PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
+if (_CHECKOUT_PLUGINS / "dflash" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT_PLUGINS))
+_MISSING = ("the DFlash plugin (plugins/dflash) is missing from this installation; reinstall "
+            "dflash-trt (pip install -e . in a checkout)")
 
 
 def dflash_plugin_dir() -> Path:
-    """The plugins/dflash folder (package data; the checkout's plugins/dflash links to it)."""
-    candidate = Path(__file__).resolve().parent / "data" / "plugins" / "dflash"
-    if (candidate / "__init__.py").is_file():
-        return candidate
-    raise DflashTrtError(
-        "the DFlash plugin (plugins/dflash) is missing from this installation; reinstall "
-        "dflash-trt, or run from a checkout that has plugins/dflash/"
-    )
+    """The folder the DFlash plugin is imported from (plugins/dflash in an editable install)."""
+    spec = importlib.util.find_spec(DFLASH_MODULE)
+    if spec is None or spec.origin is None:
+        raise DflashTrtError(_MISSING)
+    return Path(spec.origin).resolve().parent
 
 
 def load_dflash_ops() -> ModuleType:
-    """Import plugins/dflash once and return it.
-
-    The module has `kv_inject`, `block_draft_attention` and `accept` (Triton kernels on CUDA,
-    the torch reference elsewhere), `reference`, `set_backend` and `load_tolerances`.
-    """
-    loaded = sys.modules.get(DFLASH_MODULE)
-    if loaded is not None:
-        return loaded
-    plugin_dir = dflash_plugin_dir()
-    spec = importlib.util.spec_from_file_location(
-        DFLASH_MODULE, plugin_dir / "__init__.py", submodule_search_locations=[str(plugin_dir)]
-    )
-    if spec is None or spec.loader is None:
-        raise DflashTrtError(f"cannot import the DFlash plugin from {plugin_dir}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[DFLASH_MODULE] = module
+    """The DFlash plugin module: `kv_inject`, `block_draft_attention` and `accept` (Triton kernels
+    on CUDA, the torch reference elsewhere), `reference`, `set_backend` and `load_tolerances`."""
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[DFLASH_MODULE]
-        raise
-    return module
+        return importlib.import_module(DFLASH_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != DFLASH_MODULE:
+            raise
+        raise DflashTrtError(_MISSING) from None

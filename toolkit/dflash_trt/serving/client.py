@@ -327,26 +327,3 @@ def generate_once(client: GrpcClient | HttpClient, request: GenerateRequest) -> 
     if isinstance(client, GrpcClient):
         return client.generate(request)
     return client.generate(request) if client.decoupled else client.infer(request)
-
-
-def bench_sender(url: str, *, protocol: str, model_name: str = DEFAULT_MODEL):
-    """(sender, close) for dflash_trt.bench: streams one request, yields bench StreamEvents."""
-    from dflash_trt.bench import RequestTimeout, StreamEvent
-
-    client = connect(url, protocol, model_name)
-
-    def send(prompt: str, options) -> Iterator:
-        client.timeout_s = options.timeout_s
-        request = GenerateRequest(prompt=prompt, max_tokens=options.max_tokens,
-                                  temperature=options.temperature,
-                                  num_draft_tokens=options.num_draft_tokens)
-        try:
-            for chunk in client.stream(request):
-                yield StreamEvent(num_tokens=len(chunk.token_ids),
-                                  acceptance_length=chunk.acceptance_length,
-                                  total_draft_tokens=chunk.total_draft_tokens,
-                                  total_accepted_draft_tokens=chunk.total_accepted_draft_tokens)
-        except TritonTimeoutError as exc:
-            raise RequestTimeout(str(exc)) from None
-
-    return send, client.close

@@ -29,12 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.prompts import BUILTIN_DATA as BUILTINS
+from dflash_trt.prompts import CHAT, CODE_PROMPTS, METHOD_PROMPTS, STDLIB
 
-STDLIB = "builtin:python-stdlib"
-CHAT = "builtin:chat"
-CODE_PROMPTS = "builtin:code-prompts"
-METHOD_PROMPTS = "builtin:method-prompts"
-BUILTINS = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)
 # Test suites and vendored third-party code are not "the standard library as users write it".
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3",
                     "ensurepip", "turtledemo"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_trt.dflash.train import draft_hidden
+from dflash_trt.training.train import draft_hidden
 
 
 @dataclass

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trt.corpus import TokenSequence
 from dflash_trt.dflash.target import HFTarget
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.training.corpus import TokenSequence
 
 
 @dataclass

@@ -68,7 +68,7 @@ class StepStats:
 @dataclass
 class EvalStats:
     step: int
-    acceptance_length: float  # from dflash.estimate (held-out)
+    acceptance_length: float  # from training.estimate (held-out)
     first_token_accuracy: float
 
 

@@ -3,7 +3,7 @@
 The engine comes from `engine/` next to this file (engine.yaml picks torch or tensorrt_llm). With the
 decoupled transaction policy each request runs on a worker thread and streams one response per
 target forward (new text only); without it, or with stream=false, one response carries everything.
-Request validation lives in dflash_trt.serving so it is unit-tested without a server.
+Request validation lives in dflash_trt.serving.requests so it is unit-tested without a server.
 """
 
 import json
@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from dflash_trt.engines import load_engine
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.serving import INPUTS, BadRequest, Totals, output_arrays, parse_request
+from dflash_trt.serving.requests import INPUTS, BadRequest, Totals, output_arrays, parse_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"

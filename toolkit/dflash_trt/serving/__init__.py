@@ -1,0 +1,1 @@
+"""Serving: the tritonserver runner, tritonclient wrappers, and the Triton model's request parsing."""
