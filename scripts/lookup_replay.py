@@ -14,9 +14,9 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_trt.build.resolve import resolve_source
 from dflash_trt.dflash.drafter import DFlashDraftModel
 from dflash_trt.dflash.lookup import lookup_drafts
+from dflash_trt.stages.resolve import resolve_source
 from dflash_trt.training.estimate import replay, replay_inputs
 from dflash_trt.training.features import FeatureStore
 

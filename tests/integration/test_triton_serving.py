@@ -16,8 +16,6 @@ import pytest
 from dflash_fixtures import tiny_target  # noqa: E402
 from quant_fixtures import make_recipe, stage_context, write_resolved  # noqa: E402
 
-from dflash_trt.build.compile import run_compile_stage  # noqa: E402
-from dflash_trt.build.emit import emit_repository, run_emit_stage  # noqa: E402
 from dflash_trt.engines import load_engine  # noqa: E402
 from dflash_trt.engines.base import SamplingParams, collect  # noqa: E402
 from dflash_trt.serving.client import (  # noqa: E402
@@ -27,6 +25,8 @@ from dflash_trt.serving.client import (  # noqa: E402
     TritonRequestError,
 )
 from dflash_trt.serving.server import TritonServer, group_members  # noqa: E402
+from dflash_trt.stages.compile import run_compile_stage  # noqa: E402
+from dflash_trt.stages.emit import emit_repository, run_emit_stage  # noqa: E402
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("pytriton", reason="needs the tritonserver bundled in nvidia-pytriton")

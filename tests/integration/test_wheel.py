@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import dflash_trt
-from dflash_trt.build.emit import emit_repository
+from dflash_trt.stages.emit import emit_repository
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.plugins import dflash_plugin_dir, load_dflash_ops
 from dflash_trt.recipe import TritonSection
@@ -73,7 +73,7 @@ def unpacked_wheel(tmp_path_factory) -> Path:
         archive.extractall(root / "site")
     assert "dflash_trt/plugins/dflash/kernels.py" in names
     assert "dflash_trt/plugins/dflash/tolerances.yaml" in names
-    assert "dflash_trt/build/triton_repo/dflash/config.pbtxt" in names
+    assert "dflash_trt/stages/triton_repo/dflash/config.pbtxt" in names
     assert "dflash_trt/engines/trtllm_llm_api_options.yaml" in names
     return root / "site"
 

@@ -56,7 +56,7 @@ def make_recipe(root: Path, *, target_format="nvfp4", drafter_format="nvfp4", kv
 
 def stage_context(recipe, stage_out: str):
     """A StageContext for one stage with its output dir created empty."""
-    from dflash_trt.build.pipeline import StageContext
+    from dflash_trt.stages.pipeline import StageContext
 
     build_dir = Path(recipe.output_dir) / recipe.name
     out = build_dir / f".tmp-{stage_out}"

@@ -143,7 +143,7 @@ def test_copied_sources_exist_and_are_not_dockerignored():
 
 
 # What `pip install .` builds the package from (pyproject.toml maps plugins/dflash into it, and
-# toolkit/dflash_trt/build/triton_repo links to triton_repo/).
+# toolkit/dflash_trt/stages/triton_repo links to triton_repo/).
 PACKAGE_SOURCES = {"pyproject.toml", "README.md", "toolkit/", "plugins/", "triton_repo/"}
 
 

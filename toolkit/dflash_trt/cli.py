@@ -78,7 +78,7 @@ def validate(recipes: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(recipe: str, as_json: bool) -> None:
     """Show each build stage: up to date, or why it would run."""
-    from dflash_trt.build.pipeline import plan as make_plan
+    from dflash_trt.stages.pipeline import plan as make_plan
 
     r = _load_recipe(recipe)
     rows = make_plan(r)
@@ -102,7 +102,7 @@ def plan(recipe: str, as_json: bool) -> None:
 def build(recipe: str, force: tuple[str, ...], only: tuple[str, ...], quiet: bool,
           as_json: bool, extra_only: tuple[str, ...]) -> None:
     """Build a recipe: resolve, quantize, verify, compile, emit."""
-    from dflash_trt.build.progress import run_build
+    from dflash_trt.stages.progress import run_build
 
     if extra_only and not only:
         raise UsageError(f"unexpected argument {extra_only[0]!r}; stages go after --only")

@@ -11,9 +11,9 @@ from quant_fixtures import make_recipe, stage_context, write_resolved
 
 from dflash_trt.engines import load_engine
 from dflash_trt.engines.base import SamplingParams, collect
-from dflash_trt.build.compile import run_compile_stage
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.stages.compile import run_compile_stage
 
 
 @pytest.fixture(scope="module")

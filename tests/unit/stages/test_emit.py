@@ -12,7 +12,7 @@ import pytest
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
 from dflash_trt.recipe import TritonSection
-from dflash_trt.build.emit import emit_repository, instance_kind, render_config, templates_dir
+from dflash_trt.stages.emit import emit_repository, instance_kind, render_config, templates_dir
 
 CHECKOUT_TEMPLATES = Path(__file__).resolve().parents[3] / "triton_repo"
 
@@ -115,7 +115,7 @@ def test_installed_package_emits_from_any_working_directory(tmp_path):
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     code = ("import sys; from pathlib import Path; from dflash_trt.recipe import TritonSection; "
-            "from dflash_trt.build.emit import emit_repository; "
+            "from dflash_trt.stages.emit import emit_repository; "
             "print(emit_repository(Path(sys.argv[1]), Path('repo'), TritonSection(), 'cpu'))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", code, str(engine)], cwd=workdir, env=env,

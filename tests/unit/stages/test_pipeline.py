@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from dflash_trt.errors import DflashTrtError, NotImplementedStage, UsageError
-from dflash_trt.build.pipeline import StageSpec, plan, read_manifest, run_pipeline
 from dflash_trt.recipe import validate_recipe
+from dflash_trt.stages.pipeline import StageSpec, plan, read_manifest, run_pipeline
 
 CALLS: list[str] = []
 

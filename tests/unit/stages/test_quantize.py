@@ -13,11 +13,11 @@ pytest.importorskip("modelopt.torch.quantization")
 from dflash_fixtures import tiny_target  # noqa: E402
 from quant_fixtures import char_tokenizer, make_recipe, stage_context, write_resolved  # noqa: E402
 
-from dflash_trt.formats import qformats as qf  # noqa: E402
-from dflash_trt.formats.load import load_drafter, load_target  # noqa: E402
-from dflash_trt.formats.lint import lint_checkpoint  # noqa: E402
 from dflash_trt.errors import UsageError  # noqa: E402
-from dflash_trt.build.quantize import (  # noqa: E402
+from dflash_trt.formats import qformats as qf  # noqa: E402
+from dflash_trt.formats.lint import lint_checkpoint  # noqa: E402
+from dflash_trt.formats.load import load_drafter, load_target  # noqa: E402
+from dflash_trt.stages.quantize import (  # noqa: E402
     CalibrationData,
     build_calibration,
     export_target,

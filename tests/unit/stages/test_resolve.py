@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from dflash_fixtures import write_tiny_checkpoint
 
-from dflash_trt.build import resolve as sources
 from dflash_trt.errors import DflashTrtError, NotImplementedStage, UsageError
+from dflash_trt.stages import resolve as sources
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ class _Ctx:
     out: Path
 
     def progress(self, description, total=None):
-        from dflash_trt.build.pipeline import ProgressTask
+        from dflash_trt.stages.pipeline import ProgressTask
 
         return ProgressTask(None, description, total)
 

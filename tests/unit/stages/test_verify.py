@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.build.verify import (
+from dflash_trt.stages.verify import (
     PromptResult,
     VerifyReport,
     first_mismatch,
@@ -98,7 +98,7 @@ def engine_available():
 def test_verify_passes_a_working_drafter_and_fails_a_zeroed_fc(tmp_path, engine_available):
     from quant_fixtures import make_recipe, stage_context, write_resolved
 
-    from dflash_trt.build.verify import run_verify_stage
+    from dflash_trt.stages.verify import run_verify_stage
 
     verify = {"prompts": short_prompts(tmp_path), "num_prompts": 2, "max_new_tokens": 12,
               "min_acceptance_length": 2.0, "max_acceptance_drop": 0.5}
@@ -126,8 +126,8 @@ def test_verify_on_nvfp4_build_is_lossless_and_reports_quant_error(tmp_path, eng
     pytest.importorskip("modelopt.torch.quantization")
     from quant_fixtures import make_recipe, stage_context, write_resolved
 
-    from dflash_trt.build.quantize import run_quantize_stage
-    from dflash_trt.build.verify import run_verify_stage
+    from dflash_trt.stages.quantize import run_quantize_stage
+    from dflash_trt.stages.verify import run_verify_stage
 
     write_resolved(tmp_path / "tiny" / "resolved")  # random tiny target: outputs are not trivial
     verify = {"prompts": short_prompts(tmp_path), "num_prompts": 2, "max_new_tokens": 10,

@@ -249,8 +249,8 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
     Sharing the model guarantees the same weights, dtype, device and attention implementation,
     so greedy outputs are comparable token for token.
     """
-    from dflash_trt.build.resolve import resolve_source
     from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.stages.resolve import resolve_source
 
     engine = TorchEngine.load(resolve_source(target), drafter_dir, device=device, dtype=dtype,
                               block_size=block_size, max_seq_len=max_seq_len)

@@ -31,8 +31,8 @@ def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
                  block_size: int | None, max_seq_len: int, prompt_lookup: bool = False):
     from transformers.utils import logging as hf_logging
 
-    from dflash_trt.build.resolve import resolve_source
     from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.stages.resolve import resolve_source
 
     hf_logging.set_verbosity_error()  # keep stdout/stderr for our own output
     hf_logging.disable_progress_bar()
@@ -90,8 +90,8 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
 def init_drafter(target: str, output: Path, layers: int, block_size: int,
                  target_layer_ids: list[int] | None, mask_token_id: int | None, seed: int) -> None:
     """Write a randomly initialised (untrained) DFlash drafter shaped for TARGET."""
-    from dflash_trt.build.resolve import resolve_source
     from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.stages.resolve import resolve_source
 
     if output.exists() and any(output.iterdir()):
         raise UsageError(f"--output {output}: directory is not empty; choose a new directory")

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dflash_trt.build.devices import build_device, resolve_device
-from dflash_trt.build.files import link_or_copy_tree
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.stages.devices import build_device, resolve_device
+from dflash_trt.stages.files import link_or_copy_tree
 
 SMOKE_PROMPT = "Hello"
 SMOKE_TOKENS = 4

@@ -7,7 +7,7 @@
   1/engine/             the compiled engine directory (copied, or hard-linked)
 
 The templates are the checkout's top-level triton_repo/; the package reaches them through the link
-dflash_trt/build/triton_repo, and a wheel ships a copy there (package data), so an installed
+dflash_trt/stages/triton_repo, and a wheel ships a copy there (package data), so an installed
 dflash-trt emits from any directory.
 """
 
@@ -18,9 +18,9 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from dflash_trt.build.files import link_or_copy_tree
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.stages.files import link_or_copy_tree
 
 TEMPLATE_MODEL = "dflash"  # the template's directory name under triton_repo/
 VERSION = "1"
@@ -28,7 +28,7 @@ VERSION = "1"
 
 def templates_dir() -> Path:
     """The packaged triton_repo/ templates."""
-    path = Path(str(resources.files("dflash_trt.build") / "triton_repo"))
+    path = Path(str(resources.files("dflash_trt.stages") / "triton_repo"))
     if not (path / TEMPLATE_MODEL / "config.pbtxt").is_file():
         raise DflashTrtError(f"the Triton templates are missing from {path}; reinstall dflash-trt")
     return path

@@ -45,16 +45,16 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("resolve", "resolved", ("target", "drafter"), (),
-              "dflash_trt.build.resolve:run_resolve_stage", ("torch", "transformers", "gguf")),
+              "dflash_trt.stages.resolve:run_resolve_stage", ("torch", "transformers", "gguf")),
     StageSpec("quantize", "quantized", ("quantize",), ("resolve",),
-              "dflash_trt.build.quantize:run_quantize_stage",
+              "dflash_trt.stages.quantize:run_quantize_stage",
               ("torch", "transformers", "nvidia-modelopt")),
     StageSpec("verify", "reports", ("verify", "target"), ("quantize",),
-              "dflash_trt.build.verify:run_verify_stage", ("torch", "transformers")),
+              "dflash_trt.stages.verify:run_verify_stage", ("torch", "transformers")),
     StageSpec("compile", "engine", ("engine", "hardware", "drafter", "triton"), ("quantize",),
-              "dflash_trt.build.compile:run_compile_stage", ("torch", "transformers")),
+              "dflash_trt.stages.compile:run_compile_stage", ("torch", "transformers")),
     StageSpec("emit", "triton_repo", ("triton", "hardware"), ("compile",),
-              "dflash_trt.build.emit:run_emit_stage", ("tritonclient",)),
+              "dflash_trt.stages.emit:run_emit_stage", ("tritonclient",)),
 )
 
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import click
 
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.build.pipeline import StageResult, read_manifest, run_pipeline
 from dflash_trt.recipe import Recipe
+from dflash_trt.stages.pipeline import StageResult, read_manifest, run_pipeline
 
 
 def run_build(recipe: Recipe, *, only: Sequence[str] = (), force: Sequence[str] = (),

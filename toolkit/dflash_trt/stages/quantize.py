@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.build.devices import torch_device
-from dflash_trt.build.files import copy_tree, dir_bytes
 from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.stages.devices import torch_device
+from dflash_trt.stages.files import copy_tree, dir_bytes
 
 FORMAT_CONFIGS = {  # recipe format -> ModelOpt preset
     "nvfp4": "NVFP4_DEFAULT_CFG",

@@ -223,10 +223,10 @@ def _load_quantized_engine(engine_cls, quant_dir: Path, recipe, load: dict):
 
 def run_verify_stage(ctx) -> dict:
     """Pipeline stage `verify`: measure, write reports, fail on a broken gate."""
-    from dflash_trt.build.devices import torch_device
     from dflash_trt.engines.torch_engine import TorchEngine
     from dflash_trt.formats.load import load_target
     from dflash_trt.prompts import load_prompts
+    from dflash_trt.stages.devices import torch_device
 
     recipe, v = ctx.recipe, ctx.recipe.verify
     quant_dir, base_dir = ctx.stage_dir("quantize"), ctx.stage_dir("resolve")
