@@ -2,7 +2,7 @@
 # GPU box or as the Kubernetes build Job (docker/k8s/build-job.yaml).
 #
 # Base: the NGC TensorRT-LLM release image, pinned by tag. 1.3.0rc27 is the TensorRT-LLM version
-# dflash-trt's LLM API option list was taken from (toolkit/dflash_trt/data/
+# dflash-trt's LLM API option list was taken from (toolkit/dflash_trt/engines/
 # trtllm_llm_api_options.yaml, `container:`); its tensorrt_llm has DFlashDecodingConfig and it ships
 # torch, transformers and nvidia-modelopt, so dflash-trt is installed without the torch extra (which
 # would replace the container's CUDA torch with a pinned CPU-era one).

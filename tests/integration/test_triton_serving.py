@@ -160,6 +160,64 @@ def test_bad_requests_name_the_field_and_the_server_keeps_serving(grpc, server, 
     assert grpc.generate(GenerateRequest(prompt="ok", max_tokens=2)).token_ids
 
 
+def test_control_tokens_in_the_prompt_are_text_in_the_served_model(grpc, engine):
+    # The char tokenizer's <eos> is a control token: typed in a prompt it must stay five
+    # characters, so the served answer is the one for the safe encoding.
+    prompt = "abc<eos>def"
+    assert engine.tokenize(prompt) != engine.tokenize(prompt, parse_special_tokens=True)
+    want = reference(engine, prompt)
+    forged = collect(engine.stream(engine.tokenize(prompt, parse_special_tokens=True),
+                                   SamplingParams(max_new_tokens=MAX_TOKENS)))
+    assert want.token_ids != forged.token_ids
+    assert grpc.generate(GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS)).token_ids == \
+        want.token_ids
+
+
+def test_any_request_leaves_the_server_healthy(server, engine):
+    """A sample of the parser's property-test requests, sent raw over KServe HTTP infer."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    from hypothesis import HealthCheck, given, settings
+    from request_strategies import requests
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
+    outcomes = {"answered": 0, "refused": 0}
+
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(requests(shapes=((1,), (2,), (1, 1), (0,))))
+    def send(inputs):
+        tensors = []
+        for name, array in inputs.items():
+            array = array.reshape(1, *array.shape)  # the batch dimension
+            dtype = "BYTES" if array.dtype == np.object_ else np_to_triton_dtype(array.dtype)
+            tensor = httpclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        try:
+            result = client.infer("dflash_sync", tensors)
+        except InferenceServerException:
+            outcomes["refused"] += 1  # by Triton (types, shapes) or by the model (values)
+            return
+        assert result.as_numpy("output_token_ids") is not None
+        outcomes["answered"] += 1
+
+    try:
+        send()
+        assert client.is_server_live() and client.is_model_ready("dflash_sync")
+    finally:
+        client.close()
+    assert outcomes["refused"] > 0  # the sample really was hostile
+    assert server.is_ready()
+    result = GrpcClient(server.grpc_url)
+    try:
+        assert result.generate(GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS)).text \
+            == reference(engine, PROMPTS[0]).text
+    finally:
+        result.close()
+
+
 def test_missing_text_input_over_http_generate(http, server):
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/dflash/generate",
                                  data=json.dumps({"max_tokens": 3}).encode())

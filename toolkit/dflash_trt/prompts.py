@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,19 +27,73 @@ BUILTIN_PROMPTS = (HUMANEVAL, CHAT)  # verify and benchmark prompt sets
 BUILTIN_DATA = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)  # training and calibration data
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+# The tokenizer's special-token switch is state on the shared Rust tokenizer, set per call; the
+# lock keeps one request's setting from leaking into another's encode on a serving thread.
+_TOKENIZER_LOCK = threading.Lock()
+_MARKER = "\ue000dflash-user-text\ue000"  # private-use characters: no template or text has them
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, *,
+                  parse_special_tokens: bool = False) -> list[int]:
     """Token ids of a prompt as every engine, training and the benchmarks send it.
 
     chat=True: a one-turn user message in the tokenizer's chat template, with the generation
     prompt (a UsageError when the tokenizer has none); chat=False: the tokenizer's plain encoding.
+    The prompt is untrusted text: control tokens written in it (`<|im_start|>`, ...) are encoded
+    as the characters they spell, so a user cannot forge a turn; only the template's own control
+    tokens are control tokens. parse_special_tokens=True (trusted callers) parses them instead.
     """
+    split = not parse_special_tokens
     if not chat:
-        return list(tokenizer.encode(prompt))
+        return _encode(tokenizer, prompt, add_special_tokens=True, split=split)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("this tokenizer has no chat template; run without chat")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+    text = _render_user_turn(tokenizer, prompt)
+    if parse_special_tokens:
+        return _encode(tokenizer, text, add_special_tokens=False, split=False)
+    prefix, suffix = _render_user_turn(tokenizer, _MARKER).split(_MARKER)
+    if not (text.startswith(prefix) and text.endswith(suffix)
+            and len(text) >= len(prefix) + len(suffix)):
+        raise UsageError("this chat template renders the user's text in a way that cannot be "
+                         "told apart from the template; run without chat")
+    start, end = len(prefix), len(text) - len(suffix)  # the user's text as the template put it
+    ids = _encode_unless_forged(tokenizer, text, start, end)
+    if ids is not None:
+        return ids  # the common case: one encoding of the whole text, as the model was trained
+    return (_encode(tokenizer, prefix, add_special_tokens=False, split=False)
+            + _encode(tokenizer, text[start:end], add_special_tokens=False, split=True)
+            + _encode(tokenizer, suffix, add_special_tokens=False, split=False))
+
+
+def _encode_unless_forged(tokenizer, text: str, start: int, end: int) -> list[int] | None:
+    """The whole text's ids, or None when a control token comes from text[start:end] (or the
+    tokenizer cannot say where its tokens come from)."""
+    control = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    try:
+        with _TOKENIZER_LOCK:
+            enc = tokenizer(text, add_special_tokens=False, split_special_tokens=False,
+                            return_offsets_mapping=True)
+    except NotImplementedError:  # slow tokenizers have no offsets
+        return None
+    spans = zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+    if any(i in control and a < end and b > start for i, (a, b) in spans):
+        return None
+    return list(enc["input_ids"])
+
+
+def _render_user_turn(tokenizer, content: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                          add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _encode(tokenizer, text: str, *, add_special_tokens: bool, split: bool) -> list[int]:
+    if not text and not add_special_tokens:
+        return []
+    with _TOKENIZER_LOCK:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens,
+                              split_special_tokens=split)["input_ids"])
+
 
 # Short, varied requests: code, explanation, lists, rewriting. Written for this project.
 CHAT_PROMPTS: tuple[str, ...] = (

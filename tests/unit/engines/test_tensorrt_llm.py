@@ -129,6 +129,12 @@ def test_without_runtime_counters_steps_report_zero_not_a_guess():
     assert collect(iter(out)).acceptance_lengths == [1]  # the first step is the prefill
 
 
+def test_the_last_text_ends_before_an_unfinished_character_like_the_torch_engine():
+    out = list(steps([_snap([1], "\ufffd"), _snap([2], "ok \ufffd", True, "length")]))
+    # Mid-stream text is the runtime's; the final piece drops a trailing unfinished character.
+    assert [s.text for s in out] == ["\ufffd", "ok "]
+
+
 def test_a_finished_snapshot_without_tokens_still_ends_the_stream():
     counter = StepCounter()
     step = counter.step(_snap([], "", True, "eos"))

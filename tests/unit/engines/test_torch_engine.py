@@ -11,7 +11,7 @@ from dflash_fixtures import byte_tokenizer, write_tiny_checkpoint
 
 from dflash_trt.commands.engine import COMMANDS
 from dflash_trt.engines.base import Engine, SamplingParams, collect
-from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
+from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter, complete_text
 from dflash_trt.errors import UsageError
 
 COMMAND = {c.name: c for c in COMMANDS}
@@ -48,7 +48,8 @@ def test_speculative_equals_plain_and_text_matches_tokens(engine):
         plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=40, num_draft_tokens=0)))
         spec = collect(engine.stream(ids, SamplingParams(max_new_tokens=40)))
         assert spec.token_ids == plain.token_ids
-        assert spec.text == engine.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
+        assert spec.text == complete_text(engine.tokenizer.decode(spec.token_ids,
+                                                                  skip_special_tokens=True))
         assert plain.total_draft_tokens == 0 and spec.total_draft_tokens > 0
         assert all(1 <= n <= 4 for n in spec.acceptance_lengths)
 
@@ -144,6 +145,34 @@ def test_incremental_detokenizer_never_splits_a_character():
     assert "".join(pieces) + detok.flush() == text
     assert all("\ufffd" not in p for p in pieces)
     assert pieces.count("") >= 6  # the bytes inside multi-byte characters wait
+
+
+def test_a_text_cut_inside_a_character_ends_before_it():
+    tok = byte_tokenizer()
+    ids = tok.encode("a é 中文 🙂 z")
+    for cut in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tok)
+        text = "".join(detok.push([t]) for t in ids[:cut]) + detok.flush()
+        assert text == complete_text(tok.decode(ids[:cut]))
+        assert not text.endswith("\ufffd")
+    assert complete_text("ab\ufffd") == "ab" and complete_text("\ufffdab") == "\ufffdab"
+
+
+def test_streamed_text_equals_the_offline_text_when_max_tokens_cuts_a_character(engine):
+    ids = engine.tokenize("hello", chat=True)
+    full = collect(engine.stream(ids, SamplingParams(max_new_tokens=40))).token_ids
+    decode = engine.tokenizer.decode
+    cuts = [k for k in range(1, len(full) + 1)
+            if decode(full[:k], skip_special_tokens=True).endswith("\ufffd")][:4]
+    assert cuts  # the tiny model writes raw bytes: some prefixes end inside a character
+    for k in cuts:
+        params = SamplingParams(max_new_tokens=k)
+        steps = list(engine.stream(ids, params))
+        streamed = "".join(step.text for step in steps)
+        offline = collect(engine.stream(ids, params))
+        assert offline.token_ids == full[:k]
+        assert streamed == offline.text == complete_text(decode(full[:k], skip_special_tokens=True))
+        assert not steps[-1].text.endswith("\ufffd") and not streamed.endswith("\ufffd")
 
 
 def test_stop_word_filter_holds_back_partial_matches():

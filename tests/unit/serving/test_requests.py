@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from request_strategies import NAMES, requests
 
 from dflash_trt.engines.base import StepOutput
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
-from dflash_trt.serving.requests import BadRequest, Totals, output_arrays, parse_request
+from dflash_trt.serving.requests import (
+    MAX_STOP_WORD_CHARS,
+    MAX_STOP_WORDS,
+    UINT64_MAX,
+    BadRequest,
+    ServeRequest,
+    Totals,
+    output_arrays,
+    parse_request,
+)
 
 SPEC = EngineSpec(backend="torch", target="target", drafter="drafter", dtype="float32",
                   device="cpu", block_size=4, max_batch_size=1, max_seq_len=64,
@@ -67,6 +81,20 @@ def test_max_tokens_is_clamped_to_the_room_left():
     ({"text_input": text("hi"), "num_draft_tokens": np.array([-1], np.int32)}, "num_draft_tokens"),
     ({"text_input": text("hi"), "stop_words": np.array([b"\xff"], dtype=object)}, "stop_words"),
     ({"text_input": text("hi"), "max_tokens": np.array([1, 2], np.int32)}, "max_tokens"),
+    ({"text_input": text("hi"), "temperature": np.array([np.inf], np.float32)}, "temperature"),
+    ({"text_input": text("hi"), "temperature": np.array([-np.inf], np.float64)}, "temperature"),
+    ({"text_input": text("hi"), "top_p": np.array([np.inf], np.float32)}, "top_p"),
+    ({"text_input": text("hi"), "max_tokens": np.array([2.5])}, "max_tokens"),
+    ({"text_input": text("hi"), "max_tokens": np.array([b"8"], dtype=object)}, "max_tokens"),
+    ({"text_input": text("hi"), "seed": np.array([np.nan])}, "seed"),
+    ({"text_input": text("hi"), "seed": np.array([-1], np.int64)}, "seed"),
+    ({"text_input": text("hi"), "stream": np.array([b"yes"], dtype=object)}, "stream"),
+    ({"text_input": np.array([7], dtype=object)}, "text_input"),
+    ({"text_input": text("hi"), "stop_words": np.array([3], dtype=object)}, "stop_words"),
+    ({"text_input": text("hi"), "stop_words": np.array([b"s"] * (MAX_STOP_WORDS + 1),
+                                                       dtype=object)}, "stop_words"),
+    ({"text_input": text("hi"), "stop_words": np.array([b"s" * (MAX_STOP_WORD_CHARS + 1)],
+                                                       dtype=object)}, "stop_words"),
 ])
 def test_bad_requests_name_the_field(inputs, field):
     with pytest.raises(BadRequest, match=rf"^{field}:"):
@@ -91,3 +119,36 @@ def test_totals_and_outputs():
     assert out["total_draft_tokens"].tolist() == [6]
     assert out["total_accepted_draft_tokens"].tolist() == [2]
     assert out["acceptance_length"].dtype == np.float32
+
+
+def test_the_limits_themselves_are_accepted():
+    req = parse(text_input=text("hi"),
+                stop_words=np.array([b"s" * MAX_STOP_WORD_CHARS] * MAX_STOP_WORDS, dtype=object),
+                seed=np.array([UINT64_MAX], np.uint64), temperature=np.array([1e30], np.float64))
+    assert len(req.params.stop_words) == MAX_STOP_WORDS and req.params.seed == UINT64_MAX
+
+
+# --- any request at all: a clean BadRequest or a valid ServeRequest, nothing else ---------------
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests(), st.booleans())
+def test_any_request_is_refused_cleanly_or_valid(inputs, decoupled):
+    try:
+        req = parse_request(inputs, spec=SPEC, tokenize=lambda t: list(t.encode()),
+                            max_seq_len=SPEC.max_seq_len, block_size=SPEC.block_size,
+                            decoupled=decoupled)
+    except BadRequest as exc:
+        field = str(exc).split(":", 1)[0]
+        assert field in NAMES, str(exc)  # the message starts with the input's name
+        return
+    assert isinstance(req, ServeRequest)
+    p = req.params
+    assert 1 <= p.max_new_tokens <= SPEC.max_seq_len - len(req.prompt_ids)
+    assert 1 <= len(req.prompt_ids) < SPEC.max_seq_len
+    assert math.isfinite(p.temperature) and p.temperature >= 0
+    assert 0 < p.top_p <= 1 and p.top_k >= 0
+    assert p.seed is None or 0 <= p.seed <= UINT64_MAX
+    assert p.num_draft_tokens is None or 0 <= p.num_draft_tokens < SPEC.block_size
+    assert len(p.stop_words) <= MAX_STOP_WORDS
+    assert all(0 < len(w) <= MAX_STOP_WORD_CHARS for w in p.stop_words)
+    assert not req.stream or decoupled

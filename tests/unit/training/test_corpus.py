@@ -15,8 +15,11 @@ class CharTokenizer:
     """One token per character; a chat template that wraps the prompt in two marker tokens."""
 
     chat_template = "x"
+    all_special_ids = ()
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, **kwargs):
+        if kwargs.get("return_offsets_mapping"):
+            raise NotImplementedError("no offsets")  # what a slow (Python) tokenizer says
         return {"input_ids": self.encode(text)}
 
     def encode(self, text, add_special_tokens=True):

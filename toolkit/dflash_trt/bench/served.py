@@ -260,6 +260,8 @@ def run_benchmark(make_sender: Callable[[], tuple[Sender, Callable[[], None]]],
 
 def triton_sender_factory(url: str, protocol: str, model_name: str):
     """make_sender for run_level: one dflash_trt.serving.client connection per worker."""
+    import dflash_trt.serving.client  # noqa: F401 - fail here, once, if tritonclient is missing
+
     def make_sender():
         return triton_sender(url, protocol=protocol, model_name=model_name)
 

@@ -143,12 +143,14 @@ def _engine_options(f):
 @click.option("--num-prompts", default=None, type=click.IntRange(1),
               help="Use only the first N prompts.")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@click.option("--parse-special-tokens", is_flag=True, help="Parse control tokens written in the "
+              "prompt (<|im_start|>, ...) as control tokens; trusted prompts only.")
 @_sampling_options
 @_engine_options
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
-def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat, max_new_tokens,
-             temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len,
+def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
+             parse_special_tokens, max_new_tokens, temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len,
              prompt_lookup, stream, as_json) -> None:
     """Generate text with DFlash speculative decoding (or plain decoding with --no-draft)."""
     from dflash_trt.engines.base import SamplingParams
@@ -161,7 +163,7 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, num_draft_tokens=0 if no_draft else None)
     for text_prompt in prompts:
-        ids = engine.tokenize(text_prompt, chat=chat)
+        ids = engine.tokenize(text_prompt, chat=chat, parse_special_tokens=parse_special_tokens)
         echo = (lambda t: click.echo(t, nl=False)) if stream and not as_json else None
         result = run_prompt(engine, ids, params, on_text=echo)
         if as_json:
@@ -182,13 +184,15 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
               help="Use only the first N prompts.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@click.option("--parse-special-tokens", is_flag=True, help="Parse control tokens written in the "
+              "prompt (<|im_start|>, ...) as control tokens; trusted prompts only.")
 @_engine_options
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (per prompt, histogram) as JSON to FILE.")
-def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, block_size, device,
-          dtype, max_seq_len, prompt_lookup, report) -> None:
+def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, parse_special_tokens,
+          block_size, device, dtype, max_seq_len, prompt_lookup, report) -> None:
     """Check that speculative output equals plain greedy output for every prompt (exit 1 if not)."""
-    from dflash_trt.engines.base import SamplingParams
+    from dflash_trt.engines.base import SamplingParams, first_mismatch
     from dflash_trt.prompts import load_prompts
 
     prompts = load_prompts(prompts_file, num_prompts)
@@ -196,14 +200,12 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, bloc
     engine.draft_backoff = False  # measure the drafter on every step
     rows, lengths, lookup_steps = [], [], 0
     for number, text_prompt in enumerate(prompts, 1):
-        ids = engine.tokenize(text_prompt, chat=chat)
+        ids = engine.tokenize(text_prompt, chat=chat, parse_special_tokens=parse_special_tokens)
         plain = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens,
                                                        num_draft_tokens=0))
         spec = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens))
         same = plain["token_ids"] == spec["token_ids"]
-        first_diff = None if same else next(
-            (i for i, (a, b) in enumerate(zip(plain["token_ids"], spec["token_ids"], strict=False)) if a != b),
-            min(len(plain["token_ids"]), len(spec["token_ids"])))
+        first_diff = first_mismatch(spec["token_ids"], plain["token_ids"])
         lengths.extend(spec["acceptance_lengths"])
         lookup_steps += spec["num_lookup_steps"]
         rows.append({"prompt": text_prompt, "identical": same, "first_difference": first_diff,

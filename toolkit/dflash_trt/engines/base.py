@@ -66,7 +66,8 @@ class Engine(Protocol):
     max_seq_len: int
     block_size: int
 
-    def tokenize(self, prompt: str, chat: bool = False) -> list[int]: ...
+    def tokenize(self, prompt: str, chat: bool = False,
+                 parse_special_tokens: bool = False) -> list[int]: ...
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams

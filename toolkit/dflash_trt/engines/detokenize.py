@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+REPLACEMENT = "\ufffd"  # what a decoder makes of the bytes of an unfinished UTF-8 character
+
+
+def complete_text(text: str) -> str:
+    """Text without a trailing unfinished character: a response that max_tokens (or a stop
+    token) cuts inside a multi-byte character ends before it, never with U+FFFD. Every
+    engine's final text follows this rule, streamed or not; the token ids keep every token."""
+    return text.rstrip(REPLACEMENT)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that are always complete UTF-8.
 
     Decodes a short window of recent tokens (not the whole text each time) and holds back text
-    while the last token ends inside a multi-byte character (decoded as U+FFFD).
+    while the last token ends inside a multi-byte character (decoded as U+FFFD). The deltas
+    joined equal `complete_text(tokenizer.decode(all tokens))`.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -27,17 +37,17 @@ class IncrementalDetokenizer:
         self.tokens.extend(token_ids)
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        if after.endswith(REPLACEMENT) or len(after) <= len(before):
             return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait for more
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return after[len(before):]
 
     def flush(self) -> str:
-        """Whatever is still held back (a trailing incomplete character comes out as U+FFFD)."""
+        """Whatever is still held back, less a trailing unfinished character (complete_text)."""
         before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         after = self._decode(self.tokens[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.tokens)
-        return after[len(before):] if after.startswith(before) else ""
+        return complete_text(after[len(before):]) if after.startswith(before) else ""
 
 
 class StopWordFilter:

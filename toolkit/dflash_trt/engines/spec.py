@@ -43,6 +43,7 @@ class EngineSpec:
     chat_template: bool  # wrap text_input in the tokenizer's chat template
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     prompt_lookup: bool = False  # torch engine: n-gram drafts before the drafter
+    parse_special_tokens: bool = False  # control tokens in text_input stay text unless set
 
     def write(self, engine_dir: Path) -> Path:
         """Write engine_dir/engine.yaml; return its path."""

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from dflash_trt.engines.base import SamplingParams, StepOutput
+from dflash_trt.engines.detokenize import complete_text
 from dflash_trt.engines.trtllm_options import (
     load_option_names,
     read_llm_api_options,
@@ -157,7 +158,8 @@ class StepCounter:
             return None  # a metrics-only update
         return StepOutput(
             token_ids=snap.token_ids,
-            text=snap.text,
+            # The last text ends like the torch engine's: before an unfinished character.
+            text=complete_text(snap.text) if snap.finished else snap.text,
             num_draft_tokens=drafted,
             num_accepted_draft_tokens=accepted,
             finished=snap.finished,
@@ -337,11 +339,13 @@ class TrtllmEngine:
         tokenizer = AutoTokenizer.from_pretrained(str(files.target))
         return cls(llm, tokenizer, files, bridge, trtllm)
 
-    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+    def tokenize(self, prompt: str, chat: bool = False,
+                 parse_special_tokens: bool = False) -> list[int]:
         """Token ids of `prompt` (see prompts.encode_prompt)."""
         from dflash_trt.prompts import encode_prompt
 
-        return encode_prompt(self._tokenizer, prompt, chat)
+        return encode_prompt(self._tokenizer, prompt, chat,
+                             parse_special_tokens=parse_special_tokens)
 
     async def astream(
         self, prompt_ids: Sequence[int], params: SamplingParams

@@ -90,9 +90,11 @@ class TorchEngine:
         return cls(model, tokenizer, drafter, device=device, block_size=block_size,
                    max_seq_len=max_seq_len, prompt_lookup=prompt_lookup)
 
-    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+    def tokenize(self, prompt: str, chat: bool = False,
+                 parse_special_tokens: bool = False) -> list[int]:
         """Token ids for a prompt (see prompts.encode_prompt)."""
-        return encode_prompt(self.tokenizer, prompt, chat)
+        return encode_prompt(self.tokenizer, prompt, chat,
+                             parse_special_tokens=parse_special_tokens)
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:

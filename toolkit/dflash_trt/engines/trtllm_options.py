@@ -21,7 +21,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +61,7 @@ class OptionNames:
 @cache
 def load_option_names() -> OptionNames:
     """Read `engines/trtllm_llm_api_options.yaml` shipped with the package."""
-    text = resources.files("dflash_trt.engines").joinpath("trtllm_llm_api_options.yaml").read_text()
+    text = (Path(__file__).parent / "trtllm_llm_api_options.yaml").read_text(encoding="utf-8")
     raw = yaml.safe_load(text)
     return OptionNames(
         source=" ".join(str(raw["source"]).split()),

@@ -19,8 +19,9 @@ from dflash_trt.errors import DflashTrtError
 DFLASH_MODULE = "dflash_trt.plugins.dflash"
 # A bare checkout on sys.path (PYTHONPATH=toolkit, nothing installed; tests/gpu/run_gpu_checks.py)
 # finds the top-level plugin folders too. Installed or editable, the package-dir mapping does.
-_CHECKOUT_PLUGINS = Path(__file__).resolve().parents[3] / "plugins"
-if (_CHECKOUT_PLUGINS / "dflash" / "__init__.py").is_file():
+_CHECKOUT = Path(__file__).resolve().parents[3]
+_CHECKOUT_PLUGINS = _CHECKOUT / "plugins"
+if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT_PLUGINS / "dflash").is_dir():
     __path__.append(str(_CHECKOUT_PLUGINS))
 _MISSING = ("the DFlash plugin (plugins/dflash) is missing from this installation; reinstall "
             "dflash-trt (pip install -e . in a checkout)")

@@ -113,6 +113,10 @@ class TargetSection(Section):
     dtype: DType = Field("bfloat16", description="Weights dtype of the resolved checkpoint.")
     chat_template: bool = Field(True, description="Apply the tokenizer's chat template to "
                                 "prompts in verify, calibration and serving.")
+    parse_special_tokens: bool = Field(False, description="Parse control tokens written in "
+                                       "prompt text (`<|im_start|>`, ...) as control tokens. Off: "
+                                       "they are encoded as the text they spell, so a caller "
+                                       "cannot forge chat turns. Turn on for trusted callers only.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint "
                                     "to run. Off unless you trust the source. Not supported by "
                                     "`build` yet: the resolve stage refuses it.")

@@ -19,6 +19,10 @@ from dflash_trt.engines.spec import EngineSpec
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed",
           "stop_words", "num_draft_tokens")
 UINT64_MAX = 2**64 - 1
+# Stop words are matched against the text after every step: bound how much matching a request
+# can ask for (far above any real use).
+MAX_STOP_WORDS = 256
+MAX_STOP_WORD_CHARS = 256
 
 
 class BadRequest(Exception):
@@ -47,10 +51,55 @@ def _scalar(inputs: Mapping[str, np.ndarray | None], name: str):
 def _text(value, name: str) -> str:
     if isinstance(value, str):
         return value
+    if not isinstance(value, (bytes, bytearray, np.bytes_)):
+        raise BadRequest(f"{name}: expected UTF-8 text (BYTES), got {type(value).__name__}")
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{name}: not valid UTF-8 (byte {exc.start}); send UTF-8 text") from None
+
+
+def _int(inputs, name: str, default: int | None) -> int | None:
+    value = _scalar(inputs, name)
+    if value is None:
+        return default
+    if isinstance(value, (str, bytes, np.bytes_)) or (
+            isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+        raise BadRequest(f"{name}: must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(f"{name}: must be an integer, got {value!r}") from None
+
+
+def _float(inputs, name: str, default: float) -> float:
+    value = _scalar(inputs, name)
+    if value is None:
+        return default
+    if isinstance(value, (str, bytes, np.bytes_)):
+        raise BadRequest(f"{name}: must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(f"{name}: must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise BadRequest(f"{name}: must be a finite number, got {value}")
+    return value
+
+
+def _stop_words(inputs) -> tuple[str, ...]:
+    stop = inputs.get("stop_words")
+    if stop is None:
+        return ()
+    flat = np.asarray(stop, dtype=object).reshape(-1)
+    if flat.size > MAX_STOP_WORDS:
+        raise BadRequest(f"stop_words: at most {MAX_STOP_WORDS} words, got {flat.size}")
+    words = tuple(w for w in (_text(v, "stop_words") for v in flat) if w)
+    long = [w for w in words if len(w) > MAX_STOP_WORD_CHARS]
+    if long:
+        raise BadRequest(f"stop_words: each word at most {MAX_STOP_WORD_CHARS} characters, got "
+                         f"one of {len(long[0])}")
+    return words
 
 
 def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
@@ -70,12 +119,14 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
         raise BadRequest("text_input: the prompt is empty")
 
     # 2. sampling parameters, each checked against its own limits
-    stream = bool(_scalar(inputs, "stream") or False)
+    stream = _scalar(inputs, "stream")
+    if stream is not None and not isinstance(stream, (bool, np.bool_, int)):
+        raise BadRequest(f"stream: must be a boolean, got {stream!r}")
+    stream = bool(stream)
     if stream and not decoupled:
         raise BadRequest("stream: streaming needs a decoupled model; emit the repository with "
                          "triton.decoupled: true or send stream=false")
-    max_tokens = _scalar(inputs, "max_tokens")
-    max_tokens = spec.defaults.max_tokens if max_tokens is None else int(max_tokens)
+    max_tokens = _int(inputs, "max_tokens", spec.defaults.max_tokens)
     if max_tokens < 1:
         raise BadRequest(f"max_tokens: must be >= 1, got {max_tokens}")
     if max_tokens >= max_seq_len:
@@ -87,22 +138,18 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
     top_p = _float(inputs, "top_p", spec.defaults.top_p)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p: must be in (0, 1], got {top_p}")
-    top_k = _scalar(inputs, "top_k")
-    top_k = spec.defaults.top_k if top_k is None else int(top_k)
+    top_k = _int(inputs, "top_k", spec.defaults.top_k)
     if top_k < 0:
         raise BadRequest(f"top_k: must be >= 0 (0 = off), got {top_k}")
-    seed = _scalar(inputs, "seed")
-    if seed is not None and not 0 <= int(seed) <= UINT64_MAX:
+    seed = _int(inputs, "seed", None)
+    if seed is not None and not 0 <= seed <= UINT64_MAX:
         raise BadRequest(f"seed: must be an unsigned 64-bit integer, got {seed}")
-    num_draft = _scalar(inputs, "num_draft_tokens")
+    num_draft = _int(inputs, "num_draft_tokens", None)
     if num_draft is not None:
-        num_draft = int(num_draft)
         if not 0 <= num_draft <= block_size - 1:
             raise BadRequest(f"num_draft_tokens: must be in [0, {block_size - 1}] "
                              f"(block_size - 1; 0 = no speculation), got {num_draft}")
-    stop = inputs.get("stop_words")
-    stop_words = () if stop is None else tuple(
-        w for w in (_text(v, "stop_words") for v in np.asarray(stop, dtype=object).reshape(-1)) if w)
+    stop_words = _stop_words(inputs)
 
     # 3. the prompt must leave room for at least one new token
     prompt_ids = tokenize(prompt)
@@ -112,17 +159,9 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
     params = SamplingParams(
         max_new_tokens=min(max_tokens, max_seq_len - len(prompt_ids)),
         temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=None if seed is None else int(seed), stop_words=stop_words,
+        seed=seed, stop_words=stop_words,
         num_draft_tokens=num_draft)
     return ServeRequest(prompt_ids=prompt_ids, params=params, stream=stream)
-
-
-def _float(inputs, name: str, default: float) -> float:
-    value = _scalar(inputs, name)
-    value = default if value is None else float(value)
-    if math.isnan(value):
-        raise BadRequest(f"{name}: must be a number, got NaN")
-    return value
 
 
 @dataclass

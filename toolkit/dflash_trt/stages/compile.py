@@ -62,6 +62,7 @@ def run_compile_stage(ctx) -> dict:
         chat_template=recipe.target.chat_template,
         defaults=SamplingDefaults(max_tokens=recipe.triton.max_tokens),
         prompt_lookup=engine.prompt_lookup,
+        parse_special_tokens=recipe.target.parse_special_tokens,
     )
     spec.write(ctx.out)
     info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,

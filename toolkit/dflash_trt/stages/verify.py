@@ -239,7 +239,9 @@ def run_verify_stage(ctx) -> dict:
                 max_seq_len=recipe.engine.max_seq_len)
 
     engine, lossless_dtype = _load_quantized_engine(TorchEngine, quant_dir, recipe, load)
-    prompt_ids = [engine.tokenize(p, chat=recipe.target.chat_template) for p in prompts]
+    prompt_ids = [engine.tokenize(p, chat=recipe.target.chat_template,
+                                  parse_special_tokens=recipe.target.parse_special_tokens)
+                  for p in prompts]
     with ctx.progress("verify: quantized, speculative vs plain", total=2) as task:
         spec = run_prompts(engine, prompt_ids, v.max_new_tokens, plain=False)
         task.advance()

@@ -121,7 +121,9 @@ class TritonPythonModel:
         return parse_request(
             inputs, spec=self.spec, max_seq_len=self.engine.max_seq_len,
             block_size=self.engine.block_size, decoupled=self.decoupled,
-            tokenize=lambda text: self.engine.tokenize(text, chat=self.spec.chat_template))
+            tokenize=lambda text: self.engine.tokenize(
+                text, chat=self.spec.chat_template,
+                parse_special_tokens=self.spec.parse_special_tokens))
 
     def _response(self, text, token_ids, totals):
         tensors = []
