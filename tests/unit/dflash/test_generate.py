@@ -58,9 +58,9 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(family_setup
     real = gen.draft_block
 
     def spy(*args, **kwargs):
-        drafts, q = real(*args, **kwargs)
+        drafts, q, confidence = real(*args, **kwargs)
         drafted.extend(drafts)
-        return drafts, q
+        return drafts, q, confidence
 
     monkeypatch.setattr(gen, "draft_block", spy)
     for prompt, ref in zip(prompts, refs, strict=True):

@@ -197,6 +197,23 @@ def test_cli_generate_json_fields(dirs):
     assert row["num_new_tokens"] == len(row["token_ids"]) <= 8
 
 
+def test_cli_generate_adaptive_draft_length_gives_the_same_tokens(dirs):
+    rows = {}
+    for mode in ("fixed", "adaptive"):
+        result = CliRunner().invoke(COMMAND["generate"], [
+            "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompt", "hello", "--chat",
+            "--max-new-tokens", "24", "--json", "--draft-length", mode])
+        assert result.exit_code == 0, result.output
+        rows[mode] = json.loads(result.output.strip().splitlines()[-1])
+    assert rows["adaptive"]["token_ids"] == rows["fixed"]["token_ids"]
+    # block 4: three drafts on every drafter step (0 while a missing drafter rests)
+    assert 3 in rows["fixed"]["draft_lengths"] and set(rows["fixed"]["draft_lengths"]) <= {0, 3}
+    assert all(0 <= k <= 3 for k in rows["adaptive"]["draft_lengths"])
+    no_drafter = CliRunner().invoke(COMMAND["generate"], [
+        "--target", str(dirs[0]), "--prompt", "hi", "--draft-length", "adaptive"])
+    assert no_drafter.exit_code == 2 and "needs a drafter" in no_drafter.output
+
+
 def test_cli_generate_needs_one_prompt_source(dirs):
     result = CliRunner().invoke(COMMAND["generate"], ["--target", str(dirs[0])])
     assert result.exit_code == 2 and "--prompt" in result.output

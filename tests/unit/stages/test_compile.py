@@ -69,6 +69,23 @@ def test_prompt_lookup_goes_from_the_recipe_to_the_engine(built):
     assert load_engine(out).prompt_lookup is True
 
 
+def test_adaptive_draft_length_ships_the_cost_model_measured_at_build(built):
+    from dflash_trt.engines.cost_model import COST_MODEL_FILE, CostModel
+
+    root, recipe = built
+    assert recipe.engine.draft_length == "adaptive"  # the default
+    out, _ = compile_to(recipe, "engine-adaptive")
+    assert yaml.safe_load((out / "engine.yaml").read_text())["draft_length"] == "adaptive"
+    stored = CostModel.read(out)
+    assert stored is not None and len(stored.costs.verify_s) == 4
+    assert load_engine(out).cost_model == stored  # same device kind: the stored one is used
+
+    fixed = recipe.model_copy(update={"engine": recipe.engine.model_copy(
+        update={"draft_length": "fixed"})})
+    out, _ = compile_to(fixed, "engine-fixed")
+    assert not (out / COST_MODEL_FILE).exists() and load_engine(out).cost_model is None
+
+
 def test_trtllm_build_path_is_refused_with_the_reason(built):
     _, recipe = built
     engine = recipe.engine.model_copy(update={"build_path": "trtllm_build"})

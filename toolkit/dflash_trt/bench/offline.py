@@ -1,7 +1,9 @@
 """Engine-level benchmark, no server: DFlash against plain decoding and Hugging Face `generate`.
 
 Contenders run the same tokenized prompts with the same token budget, greedily:
-- `dflash`: this project's engine with speculation on;
+- `dflash`: this project's engine with speculation on, verifying the whole block every step;
+- `dflash-adaptive` (with adaptive): the same engine verifying per step only the drafts worth
+  their cost (dflash.draft_length, step costs measured before the runs);
 - `dflash+lookup` (with prompt_lookup): the same engine drafting by prompt lookup where the
   newest n-gram occurred before, with the DFlash drafter elsewhere (dflash.lookup);
 - `plain`: the same engine with num_draft_tokens=0 (one token per target forward);
@@ -30,6 +32,7 @@ from dflash_trt.engines.base import first_mismatch
 
 PLAIN = "plain"
 DFLASH = "dflash"
+DFLASH_ADAPTIVE = "dflash-adaptive"
 DFLASH_LOOKUP = "dflash+lookup"
 HF_GREEDY = "hf-generate"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
@@ -187,12 +190,14 @@ def _summarize(name: str, seconds: list[list[float]],
 
 
 def engine_contender(name: str, engine, num_draft_tokens: int | None,
-                     prompt_lookup: bool = False) -> Contender:
-    """The torch engine at temperature 0; num_draft_tokens=0 turns speculation off."""
+                     prompt_lookup: bool = False, cost_model=None) -> Contender:
+    """The torch engine at temperature 0; num_draft_tokens=0 turns speculation off; a cost model
+    turns on adaptive draft length."""
     from dflash_trt.engines.base import SamplingParams
 
     def generate(prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
         engine.prompt_lookup = prompt_lookup  # contenders share one engine
+        engine.cost_model = cost_model
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 num_draft_tokens=num_draft_tokens)
         tokens, forwards = [], 0
@@ -238,12 +243,14 @@ class LoadedContenders:
     tokenize: Callable[[str, bool], list[int]]
     device: str
     block_size: int
+    step_costs_ms: dict | None = None  # the adaptive contender's measured step costs
 
 
 def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
                     dtype: str = "float32", block_size: int | None = None,
                     prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
-                    max_seq_len: int = 4096, prompt_lookup: bool = False) -> LoadedContenders:
+                    max_seq_len: int = 4096, prompt_lookup: bool = False,
+                    adaptive: bool = False) -> LoadedContenders:
     """Load the torch engine; the transformers contenders run the engine's own model object.
 
     Sharing the model guarantees the same weights, dtype, device and attention implementation,
@@ -265,9 +272,18 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
     if prompt_lookup:
         contenders.insert(2, engine_contender(DFLASH_LOOKUP, engine, num_draft_tokens=None,
                                               prompt_lookup=True))
+    costs_ms = None
+    if adaptive:
+        from dflash_trt.engines.cost_model import measure
+
+        cost_model = measure(engine)
+        costs_ms = {"verify": [round(1000 * s, 2) for s in cost_model.costs.verify_s],
+                    "draft": round(1000 * cost_model.costs.draft_s, 2)}
+        contenders.insert(2, engine_contender(DFLASH_ADAPTIVE, engine, num_draft_tokens=None,
+                                              cost_model=cost_model))
     return LoadedContenders(
-        contenders=contenders,
-        tokenize=engine.tokenize, device=str(engine.device), block_size=engine.block_size)
+        contenders=contenders, tokenize=engine.tokenize, device=str(engine.device),
+        block_size=engine.block_size, step_costs_ms=costs_ms)
 
 
 # --- where the time goes -----------------------------------------------------------------------

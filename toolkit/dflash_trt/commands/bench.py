@@ -139,11 +139,14 @@ def bench_command(url, protocol, model_name, prompt_spec, num_prompts, concurren
               show_default=True, help="Draft length of the transformers prompt-lookup contender.")
 @click.option("--prompt-lookup", is_flag=True,
               help="Add `dflash+lookup`: DFlash with prompt-lookup drafts where they match.")
+@click.option("--adaptive", is_flag=True,
+              help="Add `dflash-adaptive`: DFlash verifying per step only the drafts worth their "
+                   "cost (step costs measured here first), next to `dflash` (the whole block).")
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench-results"), show_default=True)
 def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tokens, repeats,
                           chat, device, dtype, block_size, threads, profile,
-                          prompt_lookup_num_tokens, prompt_lookup, output_dir):
+                          prompt_lookup_num_tokens, prompt_lookup, adaptive, output_dir):
     """DFlash vs plain decoding vs transformers generate (greedy, prompt lookup), no server."""
     import torch
 
@@ -156,7 +159,7 @@ def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tok
     loaded = off.load_contenders(target, Path(drafter), device=device, dtype=dtype,
                                  block_size=block_size,
                                  prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                                 prompt_lookup=prompt_lookup)
+                                 prompt_lookup=prompt_lookup, adaptive=adaptive)
     prompt_ids = [loaded.tokenize(p, chat) for p in prompts]
     with _progress() as progress:
         task = progress.add_task("bench-offline",
@@ -168,6 +171,7 @@ def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tok
             "device": loaded.device, "dtype": dtype, "torch_threads": torch.get_num_threads(),
             "block_size": loaded.block_size,
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+            "step_costs_ms": loaded.step_costs_ms,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node()}
     paths = off.write_outputs(report, output_dir, meta)
     click.echo(off.markdown(report))
@@ -185,7 +189,8 @@ def _write_profile(off, loaded, prompt_ids, max_new_tokens, output_dir: Path) ->
 
     by_name = {c.name: c for c in loaded.contenders}
     rows = {name: off.profile_breakdown(by_name[name], prompt_ids, max_new_tokens)
-            for name in (off.DFLASH, off.DFLASH_LOOKUP, off.PLAIN) if name in by_name}
+            for name in (off.DFLASH, off.DFLASH_ADAPTIVE, off.DFLASH_LOOKUP, off.PLAIN)
+            if name in by_name}
     text = "\n".join(off.profile_markdown(r, name) for name, r in rows.items())
     click.echo(text)
     md, js = output_dir / "profile.md", output_dir / "profile.json"

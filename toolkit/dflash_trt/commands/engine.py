@@ -28,7 +28,8 @@ def _layer_ids(_ctx, _param, value: str | None) -> list[int] | None:
 
 
 def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
-                 block_size: int | None, max_seq_len: int, prompt_lookup: bool = False):
+                 block_size: int | None, max_seq_len: int, prompt_lookup: bool = False,
+                 draft_length: str = "fixed"):
     from transformers.utils import logging as hf_logging
 
     from dflash_trt.engines.torch_engine import TorchEngine
@@ -38,9 +39,16 @@ def _load_engine(target: str, drafter: str | None, device: str, dtype: str,
     hf_logging.disable_progress_bar()
     target_dir = resolve_source(target)
     drafter_dir = resolve_source(drafter) if drafter else None
-    return TorchEngine.load(target_dir, drafter_dir, device=device, dtype=dtype,
-                            block_size=block_size, max_seq_len=max_seq_len,
-                            prompt_lookup=prompt_lookup)
+    engine = TorchEngine.load(target_dir, drafter_dir, device=device, dtype=dtype,
+                              block_size=block_size, max_seq_len=max_seq_len,
+                              prompt_lookup=prompt_lookup)
+    if draft_length == "adaptive":
+        if engine.drafter is None or engine.block_size < 2:
+            raise UsageError("--draft-length adaptive needs a drafter (--drafter DIR)")
+        from dflash_trt.engines.cost_model import measure
+
+        engine.cost_model = measure(engine)  # this machine's step costs, a few seconds
+    return engine
 
 
 def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
@@ -48,12 +56,13 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
     start = time.perf_counter()
     first = None
     text, tokens, lengths, drafted, accepted, finish = "", [], [], 0, 0, None
-    lookup_steps = 0
+    lookup_steps, draft_lengths = 0, []
     for step in engine.stream(prompt_ids, params):
         if first is None:
             first = time.perf_counter()
         else:
             lengths.append(len(step.token_ids))  # decode steps only (the prefill yields 1 token)
+            draft_lengths.append(step.num_draft_tokens)  # drafts verified by this step
         text += step.text
         tokens.extend(step.token_ids)
         drafted += step.num_draft_tokens
@@ -65,7 +74,7 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
     end = time.perf_counter()
     decode_s = end - (first or end)
     return {"text": text, "token_ids": tokens, "num_new_tokens": len(tokens),
-            "acceptance_lengths": lengths,
+            "acceptance_lengths": lengths, "draft_lengths": draft_lengths,
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else 0.0,
             "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
             "num_lookup_steps": lookup_steps, "finish_reason": finish, "prefill_s": (first or end) - start, "decode_s": decode_s,
@@ -127,6 +136,9 @@ def _engine_options(f):
         click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(2)),
         click.option("--prompt-lookup", is_flag=True, help="Draft by n-gram lookup in the prompt "
                      "and output where it matches, with the drafter elsewhere (lossless)."),
+        click.option("--draft-length", type=click.Choice(["fixed", "adaptive"]), default="fixed",
+                     show_default=True, help="adaptive: verify per step only the drafts worth "
+                     "their cost (the step costs are measured on this machine at load)."),
     ]):
         f = option(f)
     return f
@@ -151,7 +163,7 @@ def _engine_options(f):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
              parse_special_tokens, max_new_tokens, temperature, top_k, top_p, seed, block_size, device, dtype, max_seq_len,
-             prompt_lookup, stream, as_json) -> None:
+             prompt_lookup, draft_length, stream, as_json) -> None:
     """Generate text with DFlash speculative decoding (or plain decoding with --no-draft)."""
     from dflash_trt.engines.base import SamplingParams
     from dflash_trt.prompts import load_prompts
@@ -159,7 +171,8 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
     if (prompt is None) == (prompts_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts-file FILE")
     prompts = [prompt] if prompt is not None else load_prompts(prompts_file, num_prompts)
-    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup,
+                          draft_length)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, num_draft_tokens=0 if no_draft else None)
     for text_prompt in prompts:
@@ -190,13 +203,14 @@ def generate(target, drafter, no_draft, prompt, prompts_file, num_prompts, chat,
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (per prompt, histogram) as JSON to FILE.")
 def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, parse_special_tokens,
-          block_size, device, dtype, max_seq_len, prompt_lookup, report) -> None:
+          block_size, device, dtype, max_seq_len, prompt_lookup, draft_length, report) -> None:
     """Check that speculative output equals plain greedy output for every prompt (exit 1 if not)."""
     from dflash_trt.engines.base import SamplingParams, first_mismatch
     from dflash_trt.prompts import load_prompts
 
     prompts = load_prompts(prompts_file, num_prompts)
-    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup)
+    engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup,
+                          draft_length)
     engine.draft_backoff = False  # measure the drafter on every step
     rows, lengths, lookup_steps = [], [], 0
     for number, text_prompt in enumerate(prompts, 1):
@@ -223,6 +237,7 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, pars
     summary = {"num_prompts": len(rows), "num_identical": len(rows) - mismatches,
                "mean_acceptance_length": mean, "block_size": engine.block_size,
                "prompt_lookup": prompt_lookup, "num_lookup_steps": lookup_steps,
+               "draft_length": draft_length,
                "acceptance_histogram": {str(k): v for k, v in histogram.items()}, "prompts": rows}
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)

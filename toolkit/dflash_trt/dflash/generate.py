@@ -11,11 +11,13 @@ they are a sample from the target's (temperature/top-k/top-p processed) distribu
 With no drafter, or num_draft_tokens == 0, every step is one plain target decoding step.
 With prompt_lookup, a step whose newest n-gram occurred before drafts the tokens that followed it
 (dflash.lookup) instead of running the drafter; verification is the same for both.
+With draft_length, each drafter step verifies only as many leading drafts as it chooses from the
+drafter's confidences (dflash.draft_length); fewer drafts never change the output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,8 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     """Propose k tokens after `token` (at position `start`) in one drafter pass.
 
     context: (1, C, k*H) target features of positions start-C .. start-1, not yet in the cache.
-    Returns the drafts and their distribution q (k, V), or None when drafting greedily.
+    Returns the drafts, their distribution q (k, V) (None when drafting greedily) and the
+    drafter's probability of each draft (its confidence).
     """
     # The block is always full width: a drafter trained on block_size positions sees the same shape.
     block = torch.full((1, block_size), drafter.mask_token_id, dtype=torch.long,
@@ -95,15 +98,16 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     drafted = hidden[0, 1:k + 1]  # (k, H): only the drafts we will verify
     logits = target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
     if sampler.greedy:
-        picks = logits.argmax(dim=-1)  # (k,)
-        return (picks if vocab is None else vocab[picks]).tolist(), None
+        confidence, picks = logits.float().softmax(dim=-1).max(dim=-1)  # (k,), (k,)
+        return (picks if vocab is None else vocab[picks]).tolist(), None, confidence.tolist()
     q = sampler.probs(logits)  # (k, V) or (k, K)
     picks = sampler.draw(q)  # (k,)
+    confidence = q.gather(1, picks[:, None])[:, 0].tolist()  # (k,): q(d_i)
     if vocab is None:
-        return picks.tolist(), q
+        return picks.tolist(), q, confidence
     full = q.new_zeros(k, target.vocab_size)  # q over the whole vocabulary: 0 outside `vocab`
     full[:, vocab] = q
-    return vocab[picks].tolist(), full
+    return vocab[picks].tolist(), full, confidence
 
 
 def copied_drafts(target, drafts: list[int], sampler: Sampler):
@@ -145,11 +149,13 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
                    block_size: int, num_draft_tokens: int | None = None,
                    stop_token_ids: Sequence[int] = (),
                    sampler: Sampler | None = None, backoff: bool = False,
-                   prompt_lookup: bool = False) -> Iterator[Step]:
+                   prompt_lookup: bool = False,
+                   draft_length: Callable[[list[float]], int] | None = None) -> Iterator[Step]:
     """Yield one Step per target forward until max_new_tokens or a stop token.
 
     backoff: rest a drafter that keeps missing (see BACKOFF_PATIENCE); off to measure a drafter.
     prompt_lookup: draft by n-gram lookup in prompt + output where it matches (dflash.lookup).
+    draft_length: confidences of a drafter block -> how many leading drafts to verify.
     """
     sampler = sampler or Sampler()
     draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
@@ -188,9 +194,12 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
             resting -= 1
         elif k > 0 and not drafts:
             feats = context[0] if len(context) == 1 else torch.cat(context, dim=1)
-            drafts, q = draft_block(target, drafter, token, feats, draft_cache, start,
-                                    block_size, k, sampler)
+            drafts, q, confidence = draft_block(target, drafter, token, feats, draft_cache,
+                                                start, block_size, k, sampler)
             context, source = [], "dflash"  # the context is now in the drafter's cache
+            if draft_length is not None:  # verify only the drafts worth their cost
+                keep = draft_length(confidence)
+                drafts, q = drafts[:keep], None if q is None else q[:keep]
 
         # 3. Verify [token, d1..dk] at positions start..start+k in one target pass.
         verify_ids = torch.tensor([[token, *drafts]], dtype=torch.long, device=device)  # (1, k+1)

@@ -21,8 +21,14 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
         return TrtllmEngine.from_engine_dir(engine_dir)
     from dflash_trt.engines.torch_engine import TorchEngine
 
-    return TorchEngine.load(spec.checkpoint(engine_dir, "target"),
-                            spec.checkpoint(engine_dir, "drafter"),
-                            device=device or spec.device, dtype=spec.dtype,
-                            block_size=spec.block_size, max_seq_len=spec.max_seq_len,
-                            prompt_lookup=spec.prompt_lookup)
+    engine = TorchEngine.load(spec.checkpoint(engine_dir, "target"),
+                              spec.checkpoint(engine_dir, "drafter"),
+                              device=device or spec.device, dtype=spec.dtype,
+                              block_size=spec.block_size, max_seq_len=spec.max_seq_len,
+                              prompt_lookup=spec.prompt_lookup)
+    if spec.draft_length == "adaptive" and engine.drafter is not None and engine.block_size > 1:
+        from dflash_trt.engines.cost_model import cost_model_for
+
+        # The stored cost model when it was measured on this device kind, else measured now.
+        engine.cost_model = cost_model_for(engine, engine_dir)
+    return engine

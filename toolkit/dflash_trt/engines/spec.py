@@ -44,6 +44,7 @@ class EngineSpec:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     prompt_lookup: bool = False  # torch engine: n-gram drafts before the drafter
     parse_special_tokens: bool = False  # control tokens in text_input stay text unless set
+    draft_length: str = "fixed"  # torch engine: "adaptive" verifies only drafts worth their cost
 
     def write(self, engine_dir: Path) -> Path:
         """Write engine_dir/engine.yaml; return its path."""

@@ -51,12 +51,16 @@ class TorchEngine:
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.prompt_lookup = prompt_lookup  # n-gram drafts before the drafter (dflash.lookup)
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.target = HFTarget(model, drafter.target_layer_ids if drafter is not None else None)
         self.stop_token_ids = _stop_token_ids(model, tokenizer)
         self._lock = threading.Lock()
         # Serving rests a drafter that keeps missing (lossless, see dflash.generate); `eval` and
         # `verify` turn it off so acceptance lengths measure the drafter itself.
         self.draft_backoff = True
+        # Adaptive draft length (dflash.draft_length): set a cost model measured on this device
+        # (engines.cost_model) and each drafter step verifies only the drafts worth their cost.
+        self.cost_model = None
 
     @classmethod
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
@@ -131,6 +135,15 @@ class TorchEngine:
                 generator.manual_seed(params.seed)
         return Sampler(params.temperature, params.top_k, params.top_p, generator)
 
+    def _draft_length(self):
+        if self.cost_model is None or self.drafter is None:
+            return None  # fixed: every drafter step verifies all its drafts
+        from functools import partial
+
+        from dflash_trt.dflash.draft_length import choose_draft_length
+
+        return partial(choose_draft_length, costs=self.cost_model.costs)
+
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
         """One StepOutput per target forward; closing the iterator early stops generation."""
         from dflash_trt.dflash.generate import generate_steps
@@ -146,7 +159,8 @@ class TorchEngine:
                                    stop_token_ids=self.stop_token_ids,
                                    sampler=self._sampler(params),
                                    backoff=self.draft_backoff,
-                                   prompt_lookup=self.prompt_lookup)
+                                   prompt_lookup=self.prompt_lookup,
+                                   draft_length=self._draft_length())
             try:
                 for step in steps:
                     text, stopped = stops.push(detok.push(step.token_ids))

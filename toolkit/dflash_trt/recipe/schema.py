@@ -218,6 +218,11 @@ class EngineSection(Section):
                                 "occurred before, draft what followed them (prompt lookup) "
                                 "instead of running the drafter. Same verification, so lossless; "
                                 "helps answers that repeat their prompt.")
+    draft_length: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="torch engine: adaptive verifies, per step, only as many drafts "
+        "as the drafter's confidence and the step costs measured on the serving device "
+        "(engine/cost_model.json) make worth it; fixed verifies the whole block. Same output "
+        "either way. The tensorrt_llm backend drafts a fixed length.")
 
 
 class TritonSection(Section):

@@ -63,6 +63,7 @@ def run_compile_stage(ctx) -> dict:
         defaults=SamplingDefaults(max_tokens=recipe.triton.max_tokens),
         prompt_lookup=engine.prompt_lookup,
         parse_special_tokens=recipe.target.parse_special_tokens,
+        draft_length=engine.draft_length if engine.backend == "torch" else "fixed",
     )
     spec.write(ctx.out)
     info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,
@@ -98,6 +99,8 @@ def smoke_test(engine_dir: Path, spec: EngineSpec) -> dict:
     device = build_device(spec.device, "cpu")
     start = time.perf_counter()
     engine = load_engine(engine_dir, device=device)
+    if engine.cost_model is not None:  # measured on the build device by load_engine
+        engine.cost_model.write(engine_dir)
     ids = engine.tokenize(SMOKE_PROMPT, chat=False)
     result = collect(engine.stream(ids, SamplingParams(max_new_tokens=SMOKE_TOKENS)))
     if not result.token_ids:

@@ -1,0 +1,114 @@
+"""dflash.draft_length: the chooser, and generation with it (lossless greedy, exact sampling)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_trt.dflash.draft_length import StepCosts, choose_draft_length
+
+# A CPU-like cost shape: a verify over n tokens costs more with n, drafting costs a fifth of it.
+COSTS = StepCosts(verify_s=tuple(0.060 + 0.006 * n for n in range(8)), draft_s=0.014)
+
+
+def test_drafts_that_never_pass_are_not_verified():
+    assert choose_draft_length([0.0] * 7, COSTS) == 0
+    assert choose_draft_length([0.01] * 7, COSTS) == 0
+
+
+def test_drafts_that_always_pass_are_all_verified():
+    assert choose_draft_length([1.0] * 7, COSTS) == 7
+    assert choose_draft_length([0.999] * 7, COSTS) == 7
+
+
+def test_the_chooser_stops_where_the_confidence_falls():
+    assert choose_draft_length([0.95, 0.9, 0.05, 0.9, 0.9, 0.9, 0.9], COSTS) == 2
+
+
+def test_expensive_verifies_shorten_the_draft():
+    steep = StepCosts(verify_s=tuple(0.060 * (1 + n) for n in range(8)), draft_s=0.014)
+    assert choose_draft_length([0.6] * 7, COSTS) > choose_draft_length([0.6] * 7, steep)
+
+
+def test_it_never_verifies_more_than_it_drafted_or_the_costs_cover():
+    assert choose_draft_length([1.0] * 3, COSTS) == 3
+    short = StepCosts(verify_s=(0.06, 0.061), draft_s=0.0)
+    assert choose_draft_length([1.0] * 7, short) == 1
+
+
+def test_a_calibration_maps_confidence_to_acceptance():
+    assert choose_draft_length([0.9] * 7, COSTS, acceptance=lambda c: 0.0) == 0
+
+
+def test_bad_step_costs_are_refused():
+    for verify, draft in [((), 0.1), ((0.0, 0.1), 0.1), ((0.1,), -1.0)]:
+        with pytest.raises(ValueError, match="positive"):
+            StepCosts(verify, draft)
+
+
+# --- generation with a chosen draft length ------------------------------------------------------
+
+
+def random_chooser(seed: int):
+    """Any number of drafts, every step: the output must not depend on it."""
+    rng = random.Random(seed)
+    return lambda confidences: rng.randint(0, len(confidences))
+
+
+@pytest.mark.parametrize("block_size", (2, 4, 8, 16))
+def test_any_draft_length_is_lossless_on_a_real_target(block_size):
+    import torch
+    from dflash_fixtures import random_prompts, tiny_drafter, tiny_target
+
+    from dflash_trt.dflash import generate as gen
+    from dflash_trt.dflash.target import HFTarget
+
+    model = tiny_target("llama")
+    drafter = tiny_drafter(model, block_size=block_size, target_layer_ids=[0, 2])
+    target = HFTarget(model, drafter.target_layer_ids)
+    for i, prompt in enumerate(random_prompts(3, seed=2)):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                 do_sample=False)[0, len(prompt):].tolist()
+        for chooser in (random_chooser(i), lambda c: choose_draft_length(c, COSTS)):
+            tokens, stats = gen.generate(target, drafter, prompt, max_new_tokens=24,
+                                         block_size=block_size, draft_length=chooser)
+            assert tokens == ref
+            assert all(1 <= n <= block_size for n in stats.acceptance_lengths)
+
+
+def test_the_chosen_length_is_what_a_step_verifies():
+    from dflash_fixtures import StubDrafter, chain_target
+
+    from dflash_trt.dflash import generate as gen
+
+    chosen = []
+
+    def chooser(confidences):
+        chosen.append(min(2, len(confidences)))
+        return chosen[-1]
+
+    steps = list(gen.generate_steps(chain_target(), StubDrafter(16), [3], max_new_tokens=30,
+                                    block_size=8, draft_length=chooser))
+    drafter_steps = [s for s in steps if s.draft_source == "dflash"]
+    assert drafter_steps and [s.num_draft_tokens for s in drafter_steps] == chosen
+
+
+def test_sampling_with_adaptive_draft_length_is_exact_by_chi_square():
+    pytest.importorskip("scipy")
+    import torch
+    from dflash_fixtures import StubDrafter, StubTarget
+    from test_generate import V, _bigram_chi_square, _markov
+
+    from dflash_trt.dflash import generate as gen
+    from dflash_trt.dflash.sampling import Sampler
+
+    p_logits, q_logits = _markov(5)
+    sampler = Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(5))
+    rng = random.Random(5)
+    tokens, stats = gen.generate(
+        StubTarget(p_logits), StubDrafter(V, logits=q_logits), [0], max_new_tokens=12000,
+        block_size=8, sampler=sampler, draft_length=lambda c: rng.randint(0, len(c)))
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert _bigram_chi_square([0, *tokens], sampler.probs(p_logits)) > 1e-3

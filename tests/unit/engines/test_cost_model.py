@@ -1,0 +1,80 @@
+"""engines.cost_model: measured step costs, stored with the device they were measured on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from dflash_fixtures import write_tiny_checkpoint
+
+from dflash_trt.cli import cli
+from dflash_trt.engines.cost_model import (
+    COST_MODEL_FILE,
+    CostModel,
+    cost_model_for,
+    device_identity,
+    measure,
+)
+from dflash_trt.errors import DflashTrtError
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    root = tmp_path_factory.mktemp("cost")
+    target = write_tiny_checkpoint(root / "target")
+    result = CliRunner().invoke(cli, ["init-drafter", "--target", str(target), "--output",
+                                      str(root / "drafter"), "--block-size", "4",
+                                      "--target-layer-ids", "0,2", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    return TorchEngine.load(target, root / "drafter", max_seq_len=256)
+
+
+def test_measure_times_every_verify_width_and_the_draft(engine):
+    model = measure(engine, context_tokens=16, repeats=2)
+    assert len(model.costs.verify_s) == engine.block_size == 4
+    assert all(s > 0 for s in model.costs.verify_s) and model.costs.draft_s > 0
+    assert model.identity() == device_identity("cpu", "float32")
+    assert model.device == "cpu" and model.device_name and model.threads >= 1
+
+
+def test_round_trip_and_reuse_on_the_same_device(engine, tmp_path):
+    model = measure(engine, context_tokens=16, repeats=2)
+    model.write(tmp_path)
+    assert CostModel.read(tmp_path) == model
+    assert cost_model_for(engine, tmp_path) == model  # same device kind and dtype: trusted
+
+
+def test_a_cost_model_from_another_device_is_measured_again(engine, tmp_path):
+    model = measure(engine, context_tokens=16, repeats=2)
+    model.write(tmp_path)
+    path = tmp_path / COST_MODEL_FILE
+    data = json.loads(path.read_text())
+    data.update(device="cuda", device_name="NVIDIA H200")
+    path.write_text(json.dumps(data))
+    fresh = cost_model_for(engine, tmp_path)
+    assert fresh.identity() == device_identity("cpu", "float32") != CostModel.read(tmp_path).identity()
+
+
+def test_a_broken_cost_model_file_is_a_clear_error(tmp_path):
+    (tmp_path / COST_MODEL_FILE).write_text('{"costs": {}}')
+    with pytest.raises(DflashTrtError, match="not a cost model"):
+        CostModel.read(tmp_path)
+    assert CostModel.read(tmp_path / "missing") is None
+
+
+def test_adaptive_engine_output_equals_fixed(engine):
+    from dflash_trt.engines.base import SamplingParams, collect
+
+    ids = engine.tokenize("The quick brown fox", chat=True)
+    params = SamplingParams(max_new_tokens=32)
+    fixed = collect(engine.stream(ids, params))
+    engine.cost_model = measure(engine, context_tokens=16, repeats=2)
+    try:
+        adaptive = collect(engine.stream(ids, params))
+    finally:
+        engine.cost_model = None
+    assert adaptive.token_ids == fixed.token_ids
+    assert adaptive.total_draft_tokens <= fixed.total_draft_tokens

@@ -1,0 +1,149 @@
+"""The step cost model of the torch engine, measured on the device that serves.
+
+`cost_model.json` in an engine directory holds the seconds of a target forward over 1 .. block_size
+new tokens and of one drafter block pass (dflash.draft_length.StepCosts), with the device, dtype
+and versions they were measured with. The compile stage writes it; an engine loaded on another
+device kind (or in another dtype) does not trust it and measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_trt.dflash.draft_length import StepCosts
+from dflash_trt.errors import DflashTrtError
+
+COST_MODEL_FILE = "cost_model.json"
+CONTEXT_TOKENS = 128  # a typical position for a verify step: the cost grows slowly with context
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step costs and what they were measured on."""
+
+    costs: StepCosts
+    device: str  # "cpu" or "cuda"
+    device_name: str  # the CPU model or the GPU name: the "device kind"
+    dtype: str
+    threads: int
+    torch_version: str
+    context_tokens: int = CONTEXT_TOKENS
+
+    def identity(self) -> tuple[str, str, str]:
+        return self.device, self.device_name, self.dtype
+
+    def write(self, engine_dir: Path) -> Path:
+        path = Path(engine_dir) / COST_MODEL_FILE
+        data = asdict(self)
+        data["costs"] = {"verify_s": list(self.costs.verify_s), "draft_s": self.costs.draft_s}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> CostModel | None:
+        """The engine directory's cost model, or None when it has none."""
+        path = Path(engine_dir) / COST_MODEL_FILE
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            costs = data.pop("costs")
+            return cls(costs=StepCosts(tuple(float(s) for s in costs["verify_s"]),
+                                       float(costs["draft_s"])), **data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DflashTrtError(f"{path}: not a cost model ({exc}); delete it and rebuild the "
+                                 "compile stage, or run without it") from None
+
+
+def device_identity(device: str, dtype: str) -> tuple[str, str, str]:
+    """(device kind, device name, dtype) of where this process computes."""
+    import torch
+
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    if kind == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = _cpu_name()
+    return kind, name, dtype
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_model_for(engine, engine_dir: Path | None) -> CostModel:
+    """The engine directory's cost model when it was measured on this device kind and dtype,
+    else a fresh measurement (a few seconds)."""
+    stored = CostModel.read(engine_dir) if engine_dir is not None else None
+    here = device_identity(engine.device, engine.dtype)
+    if stored is not None and stored.identity() == here \
+            and len(stored.costs.verify_s) == engine.block_size:
+        return stored
+    return measure(engine)
+
+
+def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPEATS) -> CostModel:
+    """Time the target over 1 .. block_size new tokens after `context_tokens` of context, and the
+    drafter's block pass, on the engine's own device and dtype (medians over `repeats`)."""
+    import torch
+
+    from dflash_trt.dflash.generate import draft_block
+    from dflash_trt.dflash.sampling import Sampler
+
+    target, drafter, block = engine.target, engine.drafter, engine.block_size
+    if drafter is None or block < 2:
+        raise DflashTrtError("a cost model needs a drafter with block_size >= 2")
+    vocab = target.embed_tokens.num_embeddings
+    ids = torch.arange(context_tokens + block, device=engine.device)[None] * 7 % vocab  # (1, C+B)
+    sync = torch.cuda.synchronize if str(engine.device).startswith("cuda") else (lambda: None)
+
+    def median_s(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        cache = target.new_cache()
+        _, features = target.forward(ids[:, :context_tokens], cache, True)  # (1, C, k*H)
+
+        def verify(n: int):
+            def run():
+                hidden, _ = target.forward(ids[:, context_tokens:context_tokens + n], cache, True)
+                target.logits(hidden[0])  # (n, V): every row, as a fully accepted step needs
+                cache.crop(context_tokens)
+            return run
+
+        verify_s = tuple(median_s(verify(n)) for n in range(1, block + 1))
+        draft_cache = drafter.new_cache()
+        start = context_tokens - 2
+        draft_block(target, drafter, 0, features[:, :start], draft_cache, start, block,
+                    block - 1, Sampler())  # the context up to the newest two tokens
+
+        def draft():
+            draft_block(target, drafter, 0, features[:, start:], draft_cache, context_tokens,
+                        block, block - 1, Sampler())
+            draft_cache.crop(start)  # a step injects the newly accepted tokens' features
+
+        draft_s = median_s(draft)
+    kind, name, dtype = device_identity(engine.device, engine.dtype)
+    return CostModel(costs=StepCosts(verify_s, draft_s), device=kind, device_name=name,
+                     dtype=dtype, threads=torch.get_num_threads(),
+                     torch_version=torch.__version__, context_tokens=context_tokens)
