@@ -112,3 +112,28 @@ def test_sampling_with_adaptive_draft_length_is_exact_by_chi_square():
         block_size=8, sampler=sampler, draft_length=lambda c: rng.randint(0, len(c)))
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
     assert _bigram_chi_square([0, *tokens], sampler.probs(p_logits)) > 1e-3
+
+
+def test_a_confidence_based_draft_length_keeps_sampling_exact():
+    """The chooser sees the drafter's confidences; they must not depend on the sampled drafts
+    (verifying only high-q(d) drafts would bias the output: this test fails for that)."""
+    pytest.importorskip("scipy")
+    import itertools
+
+    import torch
+    from dflash_fixtures import StubDrafter, StubTarget
+    from test_generate import V, _bigram_chi_square, _markov
+
+    from dflash_trt.dflash import generate as gen
+    from dflash_trt.dflash.sampling import Sampler
+
+    p_logits, q_logits = _markov(7)
+    q_logits[:, :] = q_logits[0]  # every position the same q: its peak decides nothing
+    q_logits[1:, 0] += torch.arange(6) * 0.5  # ... except how sure the later positions are
+    sampler = Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(7))
+    confident = lambda c: len(list(itertools.takewhile(lambda x: x > 0.45, c)))  # noqa: E731
+    tokens, stats = gen.generate(
+        StubTarget(p_logits), StubDrafter(V, logits=q_logits), [0], max_new_tokens=12000,
+        block_size=8, sampler=sampler, draft_length=confident)
+    assert 0 < stats.num_draft_tokens < 7 * len(stats.acceptance_lengths)  # it really chose
+    assert _bigram_chi_square([0, *tokens], sampler.probs(p_logits)) > 1e-3

@@ -86,7 +86,8 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
 
     context: (1, C, k*H) target features of positions start-C .. start-1, not yet in the cache.
     Returns the drafts, their distribution q (k, V) (None when drafting greedily) and the
-    drafter's probability of each draft (its confidence).
+    drafter's confidence at each position: the largest probability of its distribution there
+    (the greedy draft's own probability), known before any draft is sampled.
     """
     # The block is always full width: a drafter trained on block_size positions sees the same shape.
     block = torch.full((1, block_size), drafter.mask_token_id, dtype=torch.long,
@@ -102,7 +103,9 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
         return (picks if vocab is None else vocab[picks]).tolist(), None, confidence.tolist()
     q = sampler.probs(logits)  # (k, V) or (k, K)
     picks = sampler.draw(q)  # (k,)
-    confidence = q.gather(1, picks[:, None])[:, 0].tolist()  # (k,): q(d_i)
+    # The peak of q, not q(d_i): a draft length chosen from the sampled drafts themselves would
+    # bias which drafts get verified, and rejection sampling would no longer be exact.
+    confidence = q.max(dim=-1).values.tolist()  # (k,)
     if vocab is None:
         return picks.tolist(), q, confidence
     full = q.new_zeros(k, target.vocab_size)  # q over the whole vocabulary: 0 outside `vocab`
