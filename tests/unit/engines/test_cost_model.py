@@ -20,8 +20,9 @@ from dflash_trt.errors import DflashTrtError
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from dflash_trt.engines.torch_engine import TorchEngine
+def engine_dir(tmp_path_factory):
+    """An engine directory as the compile stage writes it: engine.yaml, target/, drafter/."""
+    from dflash_trt.engines.spec import EngineSpec
 
     root = tmp_path_factory.mktemp("cost")
     target = write_tiny_checkpoint(root / "target")
@@ -29,7 +30,17 @@ def engine(tmp_path_factory):
                                       str(root / "drafter"), "--block-size", "4",
                                       "--target-layer-ids", "0,2", "--seed", "1"])
     assert result.exit_code == 0, result.output
-    return TorchEngine.load(target, root / "drafter", max_seq_len=256)
+    EngineSpec(backend="torch", target="target", drafter="drafter", dtype="float32",
+               device="cpu", block_size=4, max_batch_size=1, max_seq_len=256,
+               chat_template=True, draft_length="adaptive").write(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(engine_dir):
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    return TorchEngine.load(engine_dir / "target", engine_dir / "drafter", max_seq_len=256)
 
 
 def test_measure_times_every_verify_width_and_the_draft(engine):
@@ -78,3 +89,27 @@ def test_adaptive_engine_output_equals_fixed(engine):
         engine.cost_model = None
     assert adaptive.token_ids == fixed.token_ids
     assert adaptive.total_draft_tokens <= fixed.total_draft_tokens
+
+
+def test_profile_measures_here_and_writes_the_cost_model(engine_dir):
+    from dflash_trt.engines import load_engine
+
+    (engine_dir / COST_MODEL_FILE).unlink(missing_ok=True)
+    result = CliRunner().invoke(cli, ["profile", str(engine_dir), "--no-write"])
+    assert result.exit_code == 0, result.output
+    assert "target forward, 4 new tokens" in result.output
+    assert not (engine_dir / COST_MODEL_FILE).exists()
+    result = CliRunner().invoke(cli, ["profile", str(engine_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    stored = CostModel.read(engine_dir)
+    assert stored is not None and stored.identity() == device_identity("cpu", "float32")
+    assert load_engine(engine_dir).cost_model == stored  # the served engine uses it
+
+
+def test_profile_refuses_an_engine_without_a_drafter(tmp_path):
+    from dflash_trt.engines.spec import EngineSpec
+
+    EngineSpec(backend="torch", target="target", drafter=None, dtype="float32", device="cpu",
+               block_size=1, max_batch_size=1, max_seq_len=64, chat_template=False).write(tmp_path)
+    result = CliRunner().invoke(cli, ["profile", str(tmp_path)])
+    assert result.exit_code == 2 and "with a drafter" in result.output

@@ -1,4 +1,5 @@
-"""Engine commands: `init-drafter`, `generate`, `eval` (the torch engine, no recipe needed)."""
+"""Engine commands: `init-drafter`, `generate`, `eval`, `profile` (the torch engine, no recipe
+needed)."""
 
 from __future__ import annotations
 
@@ -252,4 +253,42 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, pars
     click.echo(f"all {len(rows)} outputs identical")
 
 
-COMMANDS = [init_drafter, generate, eval_]
+@click.command("profile")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--device", default=None, type=_DEVICES, help="Default: engine.yaml's device.")
+@click.option("--no-write", is_flag=True, help="Print the step costs; keep cost_model.json.")
+@click.option("--json", "as_json", is_flag=True, help="Print the cost model as JSON.")
+def profile(engine_dir, device, no_write, as_json) -> None:
+    """Measure the step costs of a compiled torch engine on this machine (for adaptive draft
+    length) and write them to ENGINE_DIR/cost_model.json. Run it where, and as idle as, it serves."""
+    from dataclasses import asdict
+
+    from dflash_trt.engines.cost_model import COST_MODEL_FILE, measure
+    from dflash_trt.engines.spec import EngineSpec
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    spec = EngineSpec.read(engine_dir)
+    if spec.backend != "torch" or spec.drafter is None or spec.block_size < 2:
+        raise UsageError(f"{engine_dir}: profile measures a torch engine with a drafter (this is "
+                         f"backend {spec.backend}, block_size {spec.block_size}); TensorRT-LLM "
+                         "engines draft a fixed length")
+    engine = TorchEngine.load(spec.checkpoint(engine_dir, "target"),
+                              spec.checkpoint(engine_dir, "drafter"),
+                              device=device or spec.device, dtype=spec.dtype,
+                              block_size=spec.block_size, max_seq_len=spec.max_seq_len)
+    model = measure(engine)
+    if as_json:
+        click.echo(json.dumps(asdict(model), indent=2))
+    else:
+        click.echo(f"{model.device_name} ({model.device}, {model.dtype}, {model.threads} threads), "
+                   f"context {model.context_tokens} tokens")
+        for n, seconds in enumerate(model.costs.verify_s, 1):
+            click.echo(f"  target forward, {n} new token{'s' if n > 1 else ' '}  "
+                       f"{1000 * seconds:8.1f} ms")
+        click.echo(f"  drafter block pass          {1000 * model.costs.draft_s:8.1f} ms")
+    if not no_write:
+        model.write(engine_dir)
+        click.echo(f"wrote {engine_dir / COST_MODEL_FILE}", err=True)
+
+
+COMMANDS = [init_drafter, generate, eval_, profile]
