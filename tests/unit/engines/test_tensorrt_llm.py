@@ -423,6 +423,26 @@ def test_prompt_too_long_for_max_seq_len_is_refused():
         engine.close()
 
 
+@pytest.mark.parametrize("exc, message", [
+    (ValueError("The sum of prompt length (9000) and query length should not exceed "
+                "max_num_tokens (8192)"), "rejected the request: The sum of prompt length"),
+    (RuntimeError("executor is shut down"), "failed while submitting the request: RuntimeError"),
+])
+def test_errors_at_submit_are_request_errors(exc, message):
+    engine, llm = _engine([])
+
+    def refuse(*args, **kwargs):
+        raise exc
+
+    llm.generate_async = refuse
+    try:
+        with pytest.raises(DflashTrtError, match=message) as err:
+            list(engine.stream([1, 2], SamplingParams(max_new_tokens=4)))
+        assert "configuration" not in str(err.value)
+    finally:
+        engine.close()
+
+
 def test_engine_yaml_written_by_hand_round_trips_json_paths(tmp_path):
     # engine.yaml may hold an absolute target path too (e.g. a mounted volume).
     engine = _engine_dir(tmp_path)

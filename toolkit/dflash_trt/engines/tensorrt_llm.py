@@ -198,6 +198,15 @@ def map_error(exc: BaseException, *, during: str) -> DflashTrtError:
     return DflashTrtError(f"TensorRT-LLM failed while {during}: {name}: {detail}")
 
 
+def map_request_error(exc: BaseException) -> DflashTrtError:
+    """A failure while submitting one request: a request error when TensorRT-LLM refused its
+    values, else what map_error says."""
+    if type(exc).__name__ in ("ValidationError", "ValueError", "TypeError", "RequestError"):
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return DflashTrtError(f"TensorRT-LLM rejected the request: {detail}")
+    return map_error(exc, during="submitting the request")
+
+
 # ---- async -> sync bridge ------------------------------------------------------------------------
 
 _DONE = object()
@@ -357,8 +366,12 @@ class TrtllmEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds max_seq_len {self.max_seq_len}"
             )
-        sampling = self._trtllm.SamplingParams(**kwargs)
-        result = self._llm.generate_async(list(prompt_ids), sampling, streaming=True)
+        try:  # upstream validates a request when it is submitted (e.g. a prompt longer than
+            # max_num_tokens without chunked prefill): that is the request's fault, not the engine's
+            sampling = self._trtllm.SamplingParams(**kwargs)
+            result = self._llm.generate_async(list(prompt_ids), sampling, streaming=True)
+        except Exception as exc:
+            raise map_request_error(exc) from exc
 
         counter = StepCounter()
         finished = False
