@@ -1,7 +1,7 @@
 """What the Triton model does with a request, without Triton: validate inputs, build outputs.
 
 `triton_repo/dflash/1/model.py` is the thin Python-backend glue around this module, so the request
-contract (design.md, "The Triton model") is unit-tested without a server. Every bad request raises
+contract (README.md, "The served model") is unit-tested without a server. Every bad request raises
 BadRequest whose message starts with the offending input's name.
 """
 
