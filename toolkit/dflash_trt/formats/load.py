@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_trt.dflash.attention import implementation_for
 from dflash_trt.errors import DflashTrtError, UsageError
 
 # float64 exists for exactness checks: with fake-quantized activations, float32 rounding that
@@ -39,9 +40,10 @@ def load_target(target_dir: Path, *, dtype: str = "float32", device: str = "cpu"
         return _load_quantized_target(target_dir, torch_dtype(dtype), device)
     if not (target_dir / "config.json").is_file():
         raise DflashTrtError(f"{target_dir}: no config.json; expected a resolved target checkpoint")
+    dtype = torch_dtype(dtype)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype(dtype),
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype,
+                                                     attn_implementation=implementation_for(dtype))
     return model.to(device).eval()
 
 
@@ -82,7 +84,8 @@ def _load_quantized_target(target_dir: Path, dtype, device: str):
     if hasattr(config, "quantization_config"):
         # The modelopt quantization_config would make transformers look for its own quantizer.
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                             attn_implementation=implementation_for(dtype))
     state = qf.load_safetensors_dir(target_dir)
     layers = qf.build_quant_linears(state, qcfg, dtype)
     qf.swap_in_quant_linears(model, layers)

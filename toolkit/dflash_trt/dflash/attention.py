@@ -1,0 +1,61 @@
+"""Attention whose result for a query row does not depend on how many rows run with it.
+
+Speculative decoding is lossless only if a k-token verify forward computes, for each of its
+tokens, what a 1-token decoding step would. In bfloat16 on a CPU the linear layers already do
+(each output row is its own dot products, measured bit-identical for 1..8 rows), but attention
+does not: a verify query reduces over the whole block's keys (the later ones masked to zero) and
+a decoding step over fewer, and a reduction over a different length rounds differently. Near a
+tie that flips the argmax (issue 16: 6 of 12 bf16 outputs differed with sdpa, 0 with this).
+
+So, after the prompt, each query row attends to exactly the keys a decoding step at its position
+would see, through the same kernel call with the same shapes: one call per row. The prompt's own
+forward (no cache yet) is the same in plain and speculative decoding and runs as plain sdpa.
+Batch 1 without padding only: the engine passes no attention mask, and none is built for it.
+"""
+
+from __future__ import annotations
+
+NAME = "rowwise_sdpa"  # transformers treats any name containing "flash" as flash attention
+MAX_ROWS = 64  # above this a forward is a prompt chunk, not a verify block: one masked call
+
+
+def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      **kwargs):
+    """(B, heads, T, D) query against (B, kv_heads, past + T, D) keys -> (B, T, heads, D)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows, past = query.shape[2], key.shape[2] - query.shape[2]
+    if past == 0:  # the prompt's forward: causal from the first key
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if attention_mask is not None or query.shape[0] != 1:
+        raise ValueError(f"{NAME} attention serves one unpadded sequence (batch 1, no mask)")
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    if rows > MAX_ROWS:  # row i sees keys up to past + i
+        causal = torch.ones(rows, past + rows, dtype=torch.bool, device=query.device).tril(past)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    out = [F.scaled_dot_product_attention(query[:, :, i:i + 1], key[:, :, :past + i + 1],
+                                          value[:, :, :past + i + 1], scale=scaling,
+                                          enable_gqa=gqa)
+           for i in range(rows)]
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make NAME a transformers attention implementation (idempotent); returns NAME."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, rowwise_attention)
+    return NAME
+
+
+def implementation_for(dtype) -> str:
+    """The attention the target runs in `dtype`: row-wise in half precision, sdpa otherwise
+    (float32 and float64 round finely enough that their verify forwards agree with decoding)."""
+    import torch
+
+    return register() if dtype in (torch.bfloat16, torch.float16) else "sdpa"
