@@ -49,6 +49,13 @@ def _torch() -> list[Check]:
                             "" if fp4 else "serve fp8 on this GPU (hardware sm90: format fp8); "
                             "nvfp4 serving with tensorrt_llm needs sm100/sm103", required=False))
     else:
+        from dflash_trt.stages.devices import cpu_bf16_flags
+
+        flags = cpu_bf16_flags()
+        checks.append(Check("cpu bf16", bool(flags), ", ".join(flags) if flags else
+                            "no avx512_bf16/amx_bf16: bf16 matmuls are emulated",
+                            "" if flags else "engine.dtype auto serves float32 on this CPU "
+                            "(faster here than emulated bf16)", required=False))
         checks.append(Check("cuda", False, "no CUDA device; the torch engine runs on CPU",
                             "for GPU serving use a machine with an NVIDIA GPU and an NGC container",
                             required=False))

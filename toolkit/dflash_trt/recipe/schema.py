@@ -204,7 +204,11 @@ class EngineSection(Section):
                                                       "TensorRT-LLM's PyTorch backend (GPU fleets).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device for the torch "
                                                    "engine; auto = cuda when hardware is a GPU.")
-    dtype: DType | None = Field(None, description="Compute dtype; default: the target's dtype.")
+    dtype: DType | Literal["auto"] | None = Field(
+        None, description="Compute dtype; default: the target's dtype. auto: on a CPU, bfloat16 "
+        "where it has bf16 instructions (avx512_bf16, amx_bf16; `doctor` says), else float32; on "
+        "a GPU, the target's dtype. Lossless in every dtype (bf16 verifies with row-wise "
+        "attention, dflash/attention.py).")
     max_batch_size: int = Field(1, ge=1, le=4096, description="Requests batched per step.")
     max_seq_len: int = Field(4096, ge=16, description="Prompt plus generated tokens.")
     max_num_tokens: int = Field(8192, ge=16, description="Tokens per forward across the batch.")

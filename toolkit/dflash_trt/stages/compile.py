@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.stages.devices import build_device, resolve_device
+from dflash_trt.stages.devices import build_device, engine_dtype, resolve_device
 from dflash_trt.stages.files import link_or_copy_tree
 
 SMOKE_PROMPT = "Hello"
@@ -54,7 +54,7 @@ def run_compile_stage(ctx) -> dict:
         backend=engine.backend,
         target="target",
         drafter="drafter" if has_drafter else None,
-        dtype=engine.dtype or recipe.target.dtype,
+        dtype=engine_dtype(recipe),
         device=resolve_device(engine.device, recipe.hardware),
         block_size=recipe.drafter.block_size if has_drafter else 1,
         max_batch_size=engine.max_batch_size,

@@ -32,3 +32,38 @@ def torch_device(recipe):
     import torch
 
     return torch.device(build_device(recipe.engine.device, recipe.hardware))
+
+
+# CPU flags with bfloat16 dot-product instructions; without them a bf16 matmul over more than one
+# row is emulated and slower than float32 (an 8-token forward of SmolLM2-135M on an AVX2-only
+# EPYC: 394 ms in bf16, 203 ms in fp32; docs/benchmarks.md).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """The BF16_CPU_FLAGS this CPU reports (Linux /proc/cpuinfo; none known elsewhere)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return [f for f in BF16_CPU_FLAGS if f in flags]
+
+
+def engine_dtype(recipe) -> str:
+    """The compute dtype the engine serves in: engine.dtype, where `auto` means bfloat16 on a
+    CPU with native bf16 instructions and float32 on one without; on a GPU the target's dtype.
+    Unset means the target's dtype."""
+    dtype = recipe.engine.dtype
+    if dtype is None:
+        return recipe.target.dtype
+    if dtype != "auto":
+        return dtype
+    if resolve_device(recipe.engine.device, recipe.hardware) != "cpu":
+        return recipe.target.dtype
+    return "bfloat16" if cpu_bf16_flags() else "float32"

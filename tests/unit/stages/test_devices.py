@@ -1,0 +1,36 @@
+"""The serving dtype: engine.dtype auto follows the CPU's bf16 instructions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_trt.stages import devices
+
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 {extra}\nbogomips\t: 4000\n"
+
+
+def test_cpu_bf16_flags_reads_the_flags_line():
+    assert devices.cpu_bf16_flags(CPUINFO.format(extra="avx512f avx512_bf16")) == ["avx512_bf16"]
+    assert devices.cpu_bf16_flags(CPUINFO.format(extra="amx_bf16 avx512_bf16")) == [
+        "avx512_bf16", "amx_bf16"]
+    assert devices.cpu_bf16_flags(CPUINFO.format(extra="avx512f")) == []
+
+
+def _recipe(dtype, hardware="cpu", device="cpu"):
+    return SimpleNamespace(hardware=hardware, target=SimpleNamespace(dtype="bfloat16"),
+                           engine=SimpleNamespace(dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize(("flags", "want"), [(["avx512_bf16"], "bfloat16"), ([], "float32")])
+def test_auto_on_cpu_is_bf16_only_with_bf16_instructions(monkeypatch, flags, want):
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda: flags)
+    assert devices.engine_dtype(_recipe("auto")) == want
+
+
+def test_auto_on_a_gpu_and_unset_mean_the_target_dtype_and_explicit_wins(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda: [])
+    assert devices.engine_dtype(_recipe("auto", hardware="b200", device="auto")) == "bfloat16"
+    assert devices.engine_dtype(_recipe(None)) == "bfloat16"
+    assert devices.engine_dtype(_recipe("float16")) == "float16"
