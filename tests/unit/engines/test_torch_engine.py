@@ -231,6 +231,15 @@ def test_cli_eval_passes_and_writes_a_report(dirs, tmp_path):
     assert data["num_identical"] == data["num_prompts"] == 2
     assert sum(data["acceptance_histogram"].values()) > 0
     assert data["prompt_lookup"] is False and data["num_lookup_steps"] == 0
+    assert data["num_mismatches"] == data["num_near_ties"] == 0
+    assert [r["status"] for r in data["prompts"]] == ["identical", "identical"]
+    # every decode step drafts (no back-off in eval) but a prompt's last, when only the bonus fits
+    profile = data["acceptance_profile"]
+    steps = sum(data["acceptance_histogram"].values())
+    assert steps - 2 <= profile["drafter_steps"] <= steps
+    assert profile["drafter_steps"] == profile["position_acceptance"][0]["reached"]
+    assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "P(draft i accepted" in result.output
 
 
 def test_cli_eval_with_prompt_lookup_counts_its_steps(dirs, tmp_path, monkeypatch):

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
+from dflash_trt.engines.base import first_mismatch
 from dflash_trt.errors import DflashTrtError
 from dflash_trt.stages.verify import (
     PromptResult,
     VerifyReport,
-    first_mismatch,
     gate_failures,
     write_reports,
 )

@@ -42,6 +42,7 @@ class Step:
     num_accepted_draft_tokens: int
     finish_reason: str | None = None  # "length" | "eos" when this is the last step
     draft_source: str | None = None  # "dflash" | "lookup" when this step verified drafts
+    draft_confidence: tuple[float, ...] = ()  # dflash: the drafter's peak probability per draft
 
 
 @dataclass
@@ -189,7 +190,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         #    by prompt lookup where it matches, else by the drafter unless it is resting. Steps
         #    that skip the drafter leave their features in `context` for its next pass.
         k = min(draft_len, max_new_tokens - generated - 1)
-        drafts, q, source = [], None, None
+        drafts, q, source, confidence = [], None, None, []
         if k > 0 and prompt_lookup:
             drafts, q = copied_drafts(target, lookup_drafts(history, k), sampler)
             source = "lookup" if drafts else None
@@ -235,7 +236,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         history.extend(new_tokens)
         if finish is None and generated >= max_new_tokens:
             finish = "length"
-        yield Step(new_tokens, len(drafts), n, finish, source)
+        yield Step(new_tokens, len(drafts), n, finish, source, tuple(confidence[:len(drafts)]))
 
 
 def generate(target, drafter, prompt_ids: Sequence[int], **kwargs) -> tuple[list[int], GenerationStats]:

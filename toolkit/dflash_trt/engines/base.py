@@ -7,6 +7,7 @@ one. Engines are built from a directory (a resolved checkpoint pair or a compile
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -37,6 +38,9 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "eos" | "cancelled"
     draft_source: str | None = None  # "dflash" | "lookup" (prompt lookup); None: nothing drafted
+    # dflash steps of the torch engine: the drafter's confidence in each verified draft (the peak
+    # of its distribution there); empty where unknown
+    draft_confidence: tuple[float, ...] = ()
 
 
 @dataclass
@@ -95,3 +99,34 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# A divergence counts as a tie when the two tokens' logits are within TIE_ULPS units in the last
+# place of the dtype at their magnitude (bf16 keeps 8 significant bits, fp16 11). float32 and
+# float64 have no ties: there any divergence is a mismatch.
+TIE_ULPS = 4
+_SIGNIFICANT_BITS = {"bfloat16": 8, "float16": 11}
+
+
+def tie_bound(dtype: str, value: float) -> float | None:
+    """The largest logit gap near `value` that counts as a tie in `dtype` (None: no ties)."""
+    bits = _SIGNIFICANT_BITS.get(dtype)
+    if bits is None:
+        return None
+    return TIE_ULPS * 2.0 ** (math.floor(math.log2(max(abs(value), 2.0 ** -60))) - bits + 1)
+
+
+def classify_outputs(spec: list[int], plain: list[int], dtype: str, logits_at=None) -> dict:
+    """identical, near-tie or mismatch: at the first differing token, `logits_at(i)` (the
+    target's logits for new token i after the common prefix) decides whether both tokens tie."""
+    i = first_mismatch(spec, plain)
+    if i is None:
+        return {"status": "identical", "first_difference": None}
+    row = {"status": "mismatch", "first_difference": i}
+    if i < min(len(spec), len(plain)) and logits_at is not None and dtype in _SIGNIFICANT_BITS:
+        logits = logits_at(i)
+        a, b = float(logits[spec[i]]), float(logits[plain[i]])
+        bound = tie_bound(dtype, max(abs(a), abs(b)))
+        row.update(logit_gap=abs(a - b), tie_bound=bound,
+                   status="near-tie" if abs(a - b) <= bound else "mismatch")
+    return row

@@ -100,6 +100,15 @@ class TorchEngine:
         return encode_prompt(self.tokenizer, prompt, chat,
                              parse_special_tokens=parse_special_tokens)
 
+    def next_token_logits(self, ids: Sequence[int]):
+        """The target's float32 logits (V,) for the token after `ids`, from one forward."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            tensor = torch.tensor([list(ids)], device=self.target.device)
+            hidden, _ = self.target.forward(tensor, self.target.new_cache(), capture=False)
+            return self.target.logits(hidden[0, -1])
+
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise UsageError("the prompt is empty; give at least one token")
@@ -171,7 +180,7 @@ class TorchEngine:
                         finish = "stop" if stopped else finish
                     yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
                                      step.num_accepted_draft_tokens, finish is not None, finish,
-                                     step.draft_source)
+                                     step.draft_source, step.draft_confidence)
                     if finish is not None:
                         return
             finally:

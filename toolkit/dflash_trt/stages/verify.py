@@ -15,12 +15,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash_trt.engines.base import first_mismatch
+from dflash_trt.dflash.acceptance import acceptance_profile, plot_profile, profile_lines
+from dflash_trt.engines.base import classify_outputs
 from dflash_trt.errors import DflashTrtError
 
 REPORT_JSON = "verify.json"
 REPORT_MD = "verify.md"
 REPORT_PNG = "acceptance.png"
+PROFILE_PNG = "acceptance_profile.png"
 ACT_QUANT_FORMATS = ("nvfp4", "fp8")  # formats that quantize activations at run time
 
 
@@ -29,10 +31,11 @@ class PromptResult:
     """One prompt through the quantized pair (and the unquantized pair for acceptance)."""
 
     prompt_tokens: int
-    lossless: bool  # speculative == plain greedy on the quantized target
+    lossless: bool  # speculative == plain greedy on the quantized target, up to a proven tie
     first_mismatch: int | None  # index of the first differing new token
     acceptance_lengths: list[int]  # quantized pair, tokens per target forward
     baseline_acceptance_lengths: list[int]  # unquantized pair
+    status: str = "identical"  # identical | near-tie (bf16/fp16 only) | mismatch
 
 
 @dataclass
@@ -55,6 +58,7 @@ class VerifyReport:
     results: list[PromptResult] = field(default_factory=list)
     quant_error: QuantError | None = None
     lossless_dtype: str = "float32"  # dtype the quantized engine ran the lossless check in
+    acceptance_profile: dict | None = None  # quantized pair (dflash.acceptance)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -109,8 +113,10 @@ def gate_failures(report: VerifyReport, min_acceptance_length: float,
 # --- measurement ----------------------------------------------------------------------------
 
 
-def run_prompts(engine, prompt_ids: list[list[int]], max_new_tokens: int, plain: bool):
-    """(token ids, acceptance lengths) per prompt at temperature 0; plain = no speculation."""
+def run_prompts(engine, prompt_ids: list[list[int]], max_new_tokens: int, plain: bool,
+                drafter_steps: list | None = None):
+    """(token ids, acceptance lengths) per prompt at temperature 0; plain = no speculation.
+    drafter_steps, when given, gets (drafter confidences, drafts accepted) of every step."""
     from dflash_trt.engines.base import SamplingParams, collect
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
@@ -119,7 +125,10 @@ def run_prompts(engine, prompt_ids: list[list[int]], max_new_tokens: int, plain:
         engine.draft_backoff = False  # the gates measure the drafter on every step
     out = []
     for ids in prompt_ids:
-        result = collect(engine.stream(ids, params))
+        steps = list(engine.stream(ids, params))
+        if drafter_steps is not None:
+            drafter_steps += [(s.draft_confidence, s.num_accepted_draft_tokens) for s in steps]
+        result = collect(iter(steps))
         out.append((list(result.token_ids), list(result.acceptance_lengths)))
     return out
 
@@ -178,7 +187,8 @@ def render_markdown(report: VerifyReport) -> str:
         f"lossless check in {report.lossless_dtype}.", "",
         "| check | result |", "|---|---|",
         f"| lossless (speculative == plain greedy, quantized target) | "
-        f"{sum(r.lossless for r in report.results)}/{len(report.results)} prompts |",
+        f"{sum(r.lossless for r in report.results)}/{len(report.results)} prompts"
+        f"{_ties(report)} |",
         f"| mean acceptance length, unquantized pair | {d['baseline_acceptance_length']:.3f} |",
         f"| mean acceptance length, quantized pair | {d['acceptance_length']:.3f} |",
         f"| acceptance drop | {d['acceptance_drop']:.3f} |",
@@ -190,10 +200,19 @@ def render_markdown(report: VerifyReport) -> str:
                   f"| target mean KL(unquantized ‖ quantized) | {q.mean_kl:.5f} |"]
     else:
         lines.append("| target quantization error | target not quantized |")
+    if report.acceptance_profile is not None:
+        lines += ["", "Acceptance profile, quantized pair:", ""]
+        lines += [f"- {line}" for line in profile_lines(report.acceptance_profile)]
+        lines += ["", f"![acceptance profile]({PROFILE_PNG})"]
     lines += ["", f"![acceptance lengths]({REPORT_PNG})", "",
               "**PASSED**" if not report.failures else "**FAILED**"]
     lines += [f"- {f}" for f in report.failures]
     return "\n".join(lines) + "\n"
+
+
+def _ties(report: VerifyReport) -> str:
+    ties = sum(r.status == "near-tie" for r in report.results)
+    return f" ({ties} diverge at a {report.lossless_dtype} tie)" if ties else ""
 
 
 def write_reports(report: VerifyReport, out: Path) -> None:
@@ -201,6 +220,9 @@ def write_reports(report: VerifyReport, out: Path) -> None:
     (out / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     (out / REPORT_MD).write_text(render_markdown(report))
     write_histogram(report, out / REPORT_PNG)
+    if report.acceptance_profile is not None:
+        plot_profile(report.acceptance_profile, out / PROFILE_PNG,
+                     f"{report.prompts}, {report.target_format}/{report.drafter_format}")
 
 
 # --- the stage ------------------------------------------------------------------------------
@@ -221,18 +243,26 @@ def _load_quantized_engine(engine_cls, quant_dir: Path, recipe, load: dict):
     return engine_cls.load(quant_dir / "target", quant_dir / "drafter", **load), load["dtype"]
 
 
+def verdict(engine, prompt_ids: list[int], spec: list[int], plain: list[int]) -> dict:
+    """identical, near-tie or mismatch (engines.base.classify_outputs) for one prompt's outputs."""
+    return classify_outputs(spec, plain, engine.dtype,
+                            lambda i: engine.next_token_logits(prompt_ids + plain[:i]))
+
+
 def run_verify_stage(ctx) -> dict:
     """Pipeline stage `verify`: measure, write reports, fail on a broken gate."""
     from dflash_trt.engines.torch_engine import TorchEngine
     from dflash_trt.formats.load import load_target
     from dflash_trt.prompts import load_prompts
-    from dflash_trt.stages.devices import torch_device
+    from dflash_trt.stages.devices import engine_dtype, torch_device
 
     recipe, v = ctx.recipe, ctx.recipe.verify
     quant_dir, base_dir = ctx.stage_dir("quantize"), ctx.stage_dir("resolve")
     device = torch_device(recipe)
-    # CPU verifies in float32: exact enough for KL, and bf16 matmuls are slow there.
-    dtype = recipe.engine.dtype or ("float32" if device.type == "cpu" else recipe.target.dtype)
+    # The dtype the engine serves in; a CPU with no dtype set verifies in float32 (bf16 matmuls
+    # are slow on one without bf16 instructions).
+    dtype = engine_dtype(recipe) if recipe.engine.dtype else (
+        "float32" if device.type == "cpu" else recipe.target.dtype)
     quantized_build = (recipe.quantize.target.format, recipe.quantize.drafter.format) != ("none", "none")
     prompts = load_prompts(v.prompts, v.num_prompts)
     load = dict(device=device.type, dtype=dtype, block_size=recipe.drafter.block_size,
@@ -243,10 +273,14 @@ def run_verify_stage(ctx) -> dict:
                                   parse_special_tokens=recipe.target.parse_special_tokens)
                   for p in prompts]
     with ctx.progress("verify: quantized, speculative vs plain", total=2) as task:
-        spec = run_prompts(engine, prompt_ids, v.max_new_tokens, plain=False)
+        drafter_steps: list = []
+        spec = run_prompts(engine, prompt_ids, v.max_new_tokens, plain=False,
+                           drafter_steps=drafter_steps)
         task.advance()
         plain = run_prompts(engine, prompt_ids, v.max_new_tokens, plain=True)
         task.advance()
+    verdicts = [verdict(engine, ids, s_tok, p_tok)
+                for ids, (s_tok, _), (p_tok, _) in zip(prompt_ids, spec, plain, strict=True)]
     del engine
     if quantized_build:
         with ctx.progress("verify: unquantized acceptance", total=1) as task:
@@ -261,10 +295,11 @@ def run_verify_stage(ctx) -> dict:
                           max_new_tokens=v.max_new_tokens,
                           target_format=recipe.quantize.target.format,
                           drafter_format=recipe.quantize.drafter.format,
-                          block_size=recipe.drafter.block_size, lossless_dtype=lossless_dtype)
-    for ids, (s_tok, s_acc), (p_tok, _), (_, b_acc) in zip(prompt_ids, spec, plain, base, strict=True):
-        mismatch = first_mismatch(s_tok, p_tok)
-        report.results.append(PromptResult(len(ids), mismatch is None, mismatch, s_acc, b_acc))
+                          block_size=recipe.drafter.block_size, lossless_dtype=lossless_dtype,
+                          acceptance_profile=acceptance_profile(drafter_steps))
+    for ids, out, (_, s_acc), (_, b_acc) in zip(prompt_ids, verdicts, spec, base, strict=True):
+        report.results.append(PromptResult(len(ids), out["status"] != "mismatch",
+                                           out["first_difference"], s_acc, b_acc, out["status"]))
 
     if recipe.quantize.target.format != "none":
         with ctx.progress("verify: target quantization error", total=1) as task:
