@@ -48,6 +48,14 @@ def _torch() -> list[Check]:
                             "FP4 GEMMs available" if fp4 else f"{sm} has no FP4 GEMMs",
                             "" if fp4 else "serve fp8 on this GPU (hardware sm90: format fp8); "
                             "nvfp4 serving with tensorrt_llm needs sm100/sm103", required=False))
+        # DFlash attention in TensorRT-LLM: VANILLA runs on flash-attn's kernels; TRTLLM on
+        # FlashInfer and Blackwell's generated FMHA kernels (DFlashDecodingConfig).
+        checks.append(_package("flash-attn (DFlash VANILLA attention)", "flash-attn",
+                               "pip install flash-attn (the NGC TensorRT-LLM container has it)",
+                               required=False))
+        checks.append(_package("flashinfer (DFlash TRTLLM attention)", "flashinfer-python",
+                               "pip install flashinfer-python; TRTLLM attention also needs "
+                               "sm100/sm103", required=False))
     else:
         from dflash_trt.stages.devices import cpu_bf16_flags
 

@@ -137,3 +137,30 @@ def test_a_confidence_based_draft_length_keeps_sampling_exact():
         block_size=8, sampler=sampler, draft_length=confident)
     assert 0 < stats.num_draft_tokens < 7 * len(stats.acceptance_lengths)  # it really chose
     assert _bigram_chi_square([0, *tokens], sampler.probs(p_logits)) > 1e-3
+
+
+def test_expected_tokens_multiplies_the_position_rates():
+    from dflash_trt.dflash.draft_length import expected_tokens
+
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([0.5], 3) == 1.5  # positions past the profile add nothing
+
+
+def test_schedule_keeps_full_drafts_while_verifying_is_free_and_cuts_them_when_it_is_not():
+    from dflash_trt.dflash.draft_length import draft_len_schedule
+
+    free = draft_len_schedule([0.9] * 7, lambda b, k: 1.0, 7, [1, 2, 4])
+    assert free == {1: 7, 2: 7, 4: 7}
+    linear = draft_len_schedule([0.5] * 7, lambda b, k: b * (k + 1), 7, [1, 2, 4])
+    assert linear == {1: 7, 2: 0, 4: 0}  # (1 + 0.5 + ...) / (k + 1) is best at k = 0
+
+
+def test_schedule_never_drafts_more_for_a_bigger_batch():
+    from dflash_trt.dflash.draft_length import draft_len_schedule
+
+    # a cost that would favour more drafts at batch 8 than at 4: clipped to batch 4's choice
+    costs = {4: lambda k: 1 + k, 8: lambda k: 1.0}
+    schedule = draft_len_schedule([0.6] * 7, lambda b, k: costs.get(b, lambda k: 1.0)(k), 7,
+                                  [1, 4, 8])
+    assert schedule[4] == 0 and schedule[8] == 0

@@ -37,7 +37,8 @@ def _checkpoints(tmp_path: Path, *, layers: int = 36, block_size: int | None = 1
     target.mkdir(parents=True)
     drafter.mkdir(parents=True)
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
-    config: dict = {"architectures": ["DFlashDraftModel"], "num_target_layers": layers}
+    config: dict = {"architectures": ["DFlashDraftModel"], "num_target_layers": layers,
+                    "num_hidden_layers": 5}
     if block_size is not None:
         config["block_size"] = block_size
     config["dflash_config"] = (
@@ -62,7 +63,11 @@ def test_b200_recipe_options_exactly(tmp_path):
             "target_layer_ids": QWEN_LAYERS,
             "attention_backend": "TRTLLM",
         },
-        "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "dtype": "fp8"},
+        "kv_cache_config": {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False,
+                            "dtype": "fp8"},
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": 32},
+        "disable_overlap_scheduler": False,
+        "enable_chunked_prefill": False,
         "max_batch_size": 32,
         "max_num_tokens": 8192,
         "max_seq_len": 8192,
@@ -201,3 +206,56 @@ def test_read_rejects_a_hand_edited_unknown_option(tmp_path):
     (tmp_path / LLM_API_OPTIONS_FILE).write_text("max_batch_size: 4\nmax_tokens_in_flight: 9\n")
     with pytest.raises(DflashTrtError, match="max_tokens_in_flight"):
         read_llm_api_options(tmp_path)
+
+
+def _schedule_ok(schedule: dict, max_draft_len: int, max_batch_size: int) -> None:
+    """TensorRT-LLM's rules (DecodingBaseConfig.validate_draft_len_schedule_and_sort) and ours:
+    the smallest key drafts max_draft_len, no value above it, non-increasing, and a key for the
+    largest batch (above the largest key upstream drafts nothing)."""
+    keys = sorted(schedule)
+    assert keys[0] == 1 and schedule[1] == max_draft_len
+    assert all(0 <= schedule[k] <= max_draft_len for k in keys)
+    assert [schedule[k] for k in keys] == sorted(schedule.values(), reverse=True)
+    assert keys[-1] == max_batch_size
+
+
+def test_schedule_from_the_acceptance_profile_drafts_less_as_the_batch_grows(tmp_path):
+    recipe = load_recipe(RECIPES / "qwen3-8b-nvfp4-b200.yaml")
+    target, drafter = _checkpoints(tmp_path)
+    rates = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]  # positions 9..15: never reached, 0
+    spec = llm_api_options(recipe, target, drafter, position_rates=rates)["speculative_config"]
+    schedule = spec["draft_len_schedule"]
+    _schedule_ok(schedule, 15, 32)
+    assert schedule[32] < schedule[2] < 15  # saturated at 32 x (k + 1) tokens: fewer drafts
+    check_option_names({"speculative_config": spec})
+
+
+def test_a_drafter_that_never_passes_drafts_only_at_batch_1(tmp_path):
+    recipe = load_recipe(RECIPES / "qwen3-8b-nvfp4-b200.yaml")
+    target, drafter = _checkpoints(tmp_path)
+    spec = llm_api_options(recipe, target, drafter, position_rates=[0.0] * 15)
+    schedule = spec["speculative_config"]["draft_len_schedule"]
+    assert schedule == {1: 15, 2: 0, 4: 0, 8: 0, 16: 0, 32: 0}
+
+
+def test_the_recipe_schedule_wins_and_no_profile_means_a_fixed_length(tmp_path):
+    data = yaml.safe_load((RECIPES / "qwen3-8b-nvfp4-b200.yaml").read_text())
+    data["engine"]["draft_len_schedule"] = {1: 15, 8: 4, 32: 1}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    target, drafter = _checkpoints(tmp_path)
+    spec = llm_api_options(load_recipe(path), target, drafter, position_rates=[0.0])
+    assert spec["speculative_config"]["draft_len_schedule"] == {1: 15, 8: 4, 32: 1}
+    fixed = llm_api_options(load_recipe(RECIPES / "qwen3-8b-nvfp4-b200.yaml"), target, drafter)
+    assert "draft_len_schedule" not in fixed["speculative_config"]
+
+
+def test_rejection_sampling_overlap_and_chunked_prefill_follow_the_recipe(tmp_path):
+    data = yaml.safe_load((RECIPES / "qwen3-8b-nvfp4-b200.yaml").read_text())
+    data["engine"].update(rejection_sampling=True, overlap_scheduler=False, chunked_prefill=True)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    target, drafter = _checkpoints(tmp_path)
+    options = llm_api_options(load_recipe(path), target, drafter)
+    assert options["speculative_config"]["use_rejection_sampling"] is True
+    assert options["disable_overlap_scheduler"] is True and options["enable_chunked_prefill"]

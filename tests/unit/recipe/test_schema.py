@@ -154,6 +154,28 @@ def test_contradictions(tmp_path, extra, where):
     assert any(f": {where}: " in f for f in findings), findings
 
 
+FLEET = GOOD.replace("hardware: cpu", "hardware: sm100") + "engine:\n  backend: tensorrt_llm\n"
+
+
+@pytest.mark.parametrize(("extra", "where", "words"), [
+    ("quantize:\n  drafter: {format: fp8}\n", "quantize.drafter.format", "plain weights"),
+    ("  dtype: float32\n", "engine.dtype", "bfloat16 or float16"),
+    ("triton:\n  instance_count: 2\n", "triton.instance_count", "gpu_device_ids"),
+    ("  draft_len_schedule: {2: 2, 8: 1}\n", "engine.draft_len_schedule", "smallest batch"),
+    ("  draft_len_schedule: {1: 3, 8: 4}\n", "engine.draft_len_schedule", "none more"),
+])
+def test_what_tensorrt_llm_cannot_serve_is_refused_at_its_field(tmp_path, extra, where, words):
+    findings = errors_of(write(tmp_path, FLEET + extra))  # "  ..." lines extend engine:
+    assert any(f": {where}: " in f and words in f for f in findings), findings
+
+
+def test_a_valid_schedule_loads_and_the_torch_engine_refuses_one(tmp_path):
+    recipe = load_recipe(write(tmp_path, FLEET + "  draft_len_schedule: {1: 3, 8: 1, 32: 0}\n"))
+    assert recipe.engine.draft_len_schedule == {1: 3, 8: 1, 32: 0}
+    findings = errors_of(write(tmp_path, GOOD + "engine:\n  draft_len_schedule: {1: 3}\n"))
+    assert any(": engine.draft_len_schedule: " in f for f in findings), findings
+
+
 def test_trtllm_build_error_explains_why(tmp_path):
     text = GOOD.replace("hardware: cpu", "hardware: sm100") + (
         "engine:\n  backend: tensorrt_llm\n  build_path: trtllm_build\n")

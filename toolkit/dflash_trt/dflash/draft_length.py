@@ -48,3 +48,31 @@ def choose_draft_length(confidences: Sequence[float], costs: StepCosts,
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+def expected_tokens(position_rates: Sequence[float], k: int) -> float:
+    """E[tokens | k drafts] per request from P(draft i accepted | drafts before it accepted)."""
+    expected, survive = 1.0, 1.0
+    for rate in position_rates[:k]:
+        survive *= rate
+        expected += survive
+    return expected
+
+
+def draft_len_schedule(position_rates: Sequence[float], step_s: Callable[[int, int], float],
+                       max_draft_len: int, batch_sizes: Sequence[int]) -> dict[int, int]:
+    """{batch size: drafts per request} for a server that drafts the same k for every request of
+    a batch: the k in 0 .. max_draft_len maximising b * E[tokens | k] / step_s(b, k), with
+    step_s(b, k) the seconds of one step (drafting and verifying b * (k + 1) tokens). Made
+    non-increasing in the batch size (a bigger batch never drafts more), and batch size 1 drafts
+    max_draft_len (TensorRT-LLM requires schedule[1] == max_draft_len)."""
+    schedule, ceiling = {}, max_draft_len
+    for b in sorted(set(batch_sizes) | {1}):
+        if b == 1:
+            best = max_draft_len
+        else:
+            best = max(range(ceiling + 1),
+                       key=lambda k: (b * expected_tokens(position_rates, k) / step_s(b, k), -k))
+        ceiling = min(ceiling, best)
+        schedule[b] = ceiling
+    return schedule

@@ -53,6 +53,7 @@ class OptionNames:
     top_level: frozenset[str]
     speculative_config: frozenset[str]
     kv_cache_config: frozenset[str]
+    cuda_graph_config: frozenset[str]
     decoding_types: frozenset[str]
     attention_backends: frozenset[str]
     kv_cache_dtypes: frozenset[str]
@@ -70,6 +71,7 @@ def load_option_names() -> OptionNames:
         top_level=frozenset(raw["top_level"]),
         speculative_config=frozenset(raw["speculative_config"]),
         kv_cache_config=frozenset(raw["kv_cache_config"]),
+        cuda_graph_config=frozenset(raw["cuda_graph_config"]),
         decoding_types=frozenset(raw["decoding_type"]),
         attention_backends=frozenset(raw["attention_backend"]),
         kv_cache_dtypes=frozenset(raw["kv_cache_dtype"]),
@@ -115,13 +117,16 @@ def read_drafter_config(drafter_dir: Path) -> DrafterConfig:
 
 
 def llm_api_options(
-    recipe: Recipe, target_dir: Path, drafter_dir: Path, *, engine_dir: Path | None = None
+    recipe: Recipe, target_dir: Path, drafter_dir: Path, *, engine_dir: Path | None = None,
+    position_rates: list[float] | None = None,
 ) -> dict[str, Any]:
     """Build the LLM API options for serving `target_dir` with the DFlash drafter `drafter_dir`.
 
     `target_dir` and `drafter_dir` must be readable now (their config.json files are checked).
     With `engine_dir`, `speculative_model` is written relative to it; otherwise as given.
-    Raises DflashTrtError for a recipe this TensorRT-LLM path cannot serve.
+    `position_rates`: the drafter's P(draft i accepted | reached) from the verify stage, from
+    which the draft_len_schedule is computed (recipe engine.draft_len_schedule wins; neither:
+    a fixed draft length). Raises DflashTrtError for a recipe this path cannot serve.
     """
     engine = recipe.engine
     _check_servable(recipe)
@@ -139,14 +144,31 @@ def llm_api_options(
             "TRTLLM" if recipe.hardware in _TRTLLM_ATTENTION_HARDWARE else "VANILLA"
         ),
     }
+    if recipe.engine.rejection_sampling:
+        speculative["use_rejection_sampling"] = True
+    schedule = engine.draft_len_schedule or (
+        default_draft_len_schedule(recipe, target_dir, drafter_dir, position_rates)
+        if position_rates is not None else None)
+    if schedule:
+        speculative["draft_len_schedule"] = {int(b): int(k) for b, k in sorted(schedule.items())}
     kv_cache: dict[str, Any] = {
         "free_gpu_memory_fraction": engine.kv_cache_free_gpu_memory_fraction,
+        # Upstream's DFlash builds the drafter's context from the hidden states of the prefill
+        # tokens it computes (dflash.py _store_prefill_context): a prefix-cache hit skips them,
+        # leaving the drafter without that context and its positions short. Off until it is fixed.
+        "enable_block_reuse": False,
     }
     kv_dtype = _KV_CACHE_DTYPE.get(recipe.quantize.target.kv_cache)
     if kv_dtype is not None:
         kv_cache["dtype"] = kv_dtype
 
-    options: dict[str, Any] = {"speculative_config": speculative, "kv_cache_config": kv_cache}
+    options: dict[str, Any] = {
+        "speculative_config": speculative, "kv_cache_config": kv_cache,
+        # Without padding upstream captures graphs for batch sizes 1-31, 32, 64 and 128 only.
+        "cuda_graph_config": {"enable_padding": True, "max_batch_size": engine.max_batch_size},
+        "disable_overlap_scheduler": not engine.overlap_scheduler,
+        "enable_chunked_prefill": engine.chunked_prefill,
+    }
     for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tensor_parallel_size"):
         value = getattr(engine, name)
         if value is not None:
@@ -159,6 +181,41 @@ def llm_api_options(
     return options
 
 
+def default_draft_len_schedule(recipe: Recipe, target_dir: Path, drafter_dir: Path,
+                               position_rates: list[float]) -> dict[int, int]:
+    """{batch size: drafts} maximising expected tokens per second under a roofline step cost:
+    a forward over n tokens costs max(n, S) / S of a weight-bound forward (S =
+    VERIFY_SATURATION_TOKENS of the hardware), the drafter's pass over the whole block its layer
+    share of that. Batch sizes: powers of two up to max_batch_size, and max_batch_size."""
+    from dflash_trt.dflash.draft_length import draft_len_schedule
+    from dflash_trt.recipe.schema import VERIFY_SATURATION_TOKENS
+
+    saturation = VERIFY_SATURATION_TOKENS[recipe.hardware]
+    block = recipe.drafter.block_size
+    share = (_num_layers(_read_json(drafter_dir / "config.json", what="drafter"))
+             / _num_layers(_read_json(target_dir / "config.json", what="target")))
+
+    def forward(tokens: int) -> float:
+        return max(tokens, saturation) / saturation
+
+    def step_s(batch: int, drafts: int) -> float:
+        drafting = share * forward(batch * block) if drafts else 0.0
+        return forward(batch * (drafts + 1)) + drafting
+
+    top = recipe.engine.max_batch_size
+    sizes = [b for b in (2 ** i for i in range(top.bit_length())) if b <= top] + [top]
+    return draft_len_schedule(position_rates, step_s, block - 1, sizes)
+
+
+def _num_layers(config: Mapping[str, Any]) -> int:
+    layers = config.get("num_hidden_layers")
+    if not _is_int(layers) and isinstance(config.get("text_config"), dict):
+        layers = config["text_config"].get("num_hidden_layers")
+    if not _is_int(layers) or layers < 1:
+        raise DflashTrtError("a config.json without num_hidden_layers; cannot size the step cost")
+    return layers
+
+
 def check_option_names(options: Mapping[str, Any], names: OptionNames | None = None) -> None:
     """Raise DflashTrtError naming every option or value the pinned TensorRT-LLM does not know."""
     names = names or load_option_names()
@@ -166,6 +223,7 @@ def check_option_names(options: Mapping[str, Any], names: OptionNames | None = N
     sections = {
         "speculative_config": names.speculative_config,
         "kv_cache_config": names.kv_cache_config,
+        "cuda_graph_config": names.cuda_graph_config,
     }
     for section, allowed in sections.items():
         value = options.get(section)

@@ -22,6 +22,13 @@ from pydantic import (
 from dflash_trt.prompts import BUILTIN_DATA, BUILTIN_PROMPTS
 
 Hardware = Literal["cpu", "sm90", "sm100", "sm103", "sm120"]
+# Tokens per forward at which a target forward stops being bound by reading the weights and
+# starts costing in proportion to its tokens: a roofline estimate, peak dense tensor FLOP/s x
+# weight bytes per parameter / (2 x memory bandwidth), at the format each hardware serves (H200:
+# 1979 TFLOP/s fp8, 4.8 TB/s; B200/GB200: 9 PFLOP/s nvfp4, 8 TB/s; B300: 13.5 PFLOP/s nvfp4;
+# RTX PRO 6000: about 2 PFLOP/s nvfp4, 1.8 TB/s). The default draft_len_schedule is derived from
+# it (engines.trtllm_options); a schedule measured on the fleet belongs in the recipe instead.
+VERIFY_SATURATION_TOKENS = {"sm90": 200, "sm100": 280, "sm103": 420, "sm120": 280}
 QuantFormat = Literal["nvfp4", "fp8", "int4_awq", "w4a16_nvfp4", "none"]
 KvCacheFormat = Literal["none", "fp8", "nvfp4"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -226,7 +233,24 @@ class EngineSection(Section):
         "adaptive", description="torch engine: adaptive verifies, per step, only as many drafts "
         "as the drafter's confidence and the step costs measured on the serving device "
         "(engine/cost_model.json) make worth it; fixed verifies the whole block. Same output "
-        "either way. The tensorrt_llm backend drafts a fixed length.")
+        "either way. The tensorrt_llm backend drafts per batch size instead "
+        "(draft_len_schedule).")
+    draft_len_schedule: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0)]] | None = \
+        Field(None, description="tensorrt_llm: drafts per request by batch size ({batch size: "
+              "drafts}; a batch uses the first key >= its size, none above the largest key). "
+              "Default: computed at compile from the verify stage's acceptance profile and a "
+              "roofline step cost with VERIFY_SATURATION_TOKENS of the hardware "
+              "(docs/deploy.md); its smallest key must map to drafter.block_size - 1.")
+    overlap_scheduler: bool = Field(True, description="tensorrt_llm: overlap the CPU scheduling "
+                                    "of step n+1 with the GPU work of step n (upstream default; "
+                                    "DFlash supports it).")
+    chunked_prefill: bool = Field(False, description="tensorrt_llm: split prompts longer than "
+                                  "max_num_tokens into chunks (upstream default off; without it "
+                                  "such a prompt is rejected at submit).")
+    rejection_sampling: bool = Field(False, description="tensorrt_llm: DFlash's "
+                                     "use_rejection_sampling for temperature > 0 (upstream "
+                                     "prototype, default off: drafts are then accepted only "
+                                     "where they equal the target's sample, still exact).")
 
 
 class TritonSection(Section):
@@ -302,6 +326,32 @@ def _check_hardware(r: Recipe) -> None:
         errors.append(CrossFieldError(
             ("engine", "prompt_lookup"), "prompt lookup is a torch-engine feature; TensorRT-LLM's "
             "DFlash mode drafts with the drafter only; set prompt_lookup: false"))
+    if trtllm and r.quantize.drafter.format != "none":
+        errors.append(CrossFieldError(
+            ("quantize", "drafter", "format"), "TensorRT-LLM's DFlash drafter loads plain "
+            "weights only (modeling_dflash builds fc and slices qkv_proj from raw tensors; no "
+            "ModelOpt scales); use format: none"))
+    if trtllm and r.engine.dtype == "float32":
+        errors.append(CrossFieldError(
+            ("engine", "dtype"), "TensorRT-LLM's DFlash attention takes bfloat16 or float16 "
+            "only; use dtype: bfloat16"))
+    if trtllm and r.triton.instance_count > 1:
+        errors.append(CrossFieldError(
+            ("triton", "instance_count"), "several tensorrt_llm instances would each claim every "
+            "visible GPU (TensorRT-LLM's Triton model needs gpu_device_ids per instance, which "
+            "this project does not emit); use instance_count: 1 and scale with replicas"))
+    schedule = r.engine.draft_len_schedule
+    if schedule and not trtllm:
+        errors.append(CrossFieldError(
+            ("engine", "draft_len_schedule"), "a per-batch-size schedule is a tensorrt_llm "
+            "option; the torch engine chooses per step (draft_length)"))
+    elif schedule:
+        drafts = r.drafter.block_size - 1
+        if schedule[min(schedule)] != drafts or max(schedule.values()) > drafts:
+            errors.append(CrossFieldError(
+                ("engine", "draft_len_schedule"), f"the smallest batch size must draft "
+                f"block_size - 1 = {drafts} and none more (TensorRT-LLM's rule); got "
+                f"{dict(sorted(schedule.items()))}"))
     if r.engine.tensor_parallel_size > 1 and not trtllm:
         errors.append(CrossFieldError(
             ("engine", "tensor_parallel_size"), "tensor parallelism needs a GPU backend; set "

@@ -11,13 +11,16 @@ than the server. The tensorrt_llm backend is not loaded: TensorRT-LLM runs on th
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.formats.cast import cast_checkpoint
 from dflash_trt.stages.devices import build_device, engine_dtype, resolve_device
 from dflash_trt.stages.files import link_or_copy_tree
+from dflash_trt.stages.verify import REPORT_JSON as VERIFY_JSON
 
 SMOKE_PROMPT = "Hello"
 SMOKE_TOKENS = 4
@@ -46,7 +49,11 @@ def run_compile_stage(ctx) -> dict:
         info["target"] = link_or_copy_tree(quantized / "target", ctx.out / "target")
         task.advance()
         has_drafter = (quantized / "drafter").is_dir()
-        if has_drafter:
+        if has_drafter and engine.backend == "tensorrt_llm":
+            # Upstream's DFlash attention takes bf16/fp16 only: ship the drafter in that dtype.
+            info["drafter"] = cast_checkpoint(quantized / "drafter", ctx.out / "drafter",
+                                              engine_dtype(recipe))
+        elif has_drafter:
             info["drafter"] = link_or_copy_tree(quantized / "drafter", ctx.out / "drafter")
         task.advance()
 
@@ -73,21 +80,35 @@ def run_compile_stage(ctx) -> dict:
         if not has_drafter:
             raise DflashTrtError("engine.backend: tensorrt_llm needs a DFlash drafter; set "
                                  "drafter.source or drafter.init")
-        info["llm_api_options"] = str(_write_trtllm_options(recipe, ctx.out))
+        rates = _position_rates(ctx.stage_dir("verify"))
+        info["llm_api_options"] = str(_write_trtllm_options(recipe, ctx.out, rates))
+        info["draft_len_schedule_from"] = (
+            "recipe" if engine.draft_len_schedule else "verify acceptance profile + roofline"
+            if rates is not None else "none (no acceptance profile: fixed draft length)")
     else:
         with ctx.progress("compile: smoke generation", total=None):
             info["smoke"] = smoke_test(ctx.out, spec)
     return info
 
 
-def _write_trtllm_options(recipe, engine_dir: Path) -> Path:
+def _position_rates(reports: Path) -> list[float] | None:
+    """P(draft i accepted | reached) from the verify report, None when there is none."""
+    path = reports / VERIFY_JSON
+    if not path.is_file():
+        return None
+    profile = json.loads(path.read_text()).get("acceptance_profile") or {}
+    rates = [p["rate"] for p in profile.get("position_acceptance", [])]
+    return rates if profile.get("drafter_steps") else None
+
+
+def _write_trtllm_options(recipe, engine_dir: Path, rates: list[float] | None) -> Path:
     try:
         from dflash_trt.engines.trtllm_options import llm_api_options, write_llm_api_options
     except ImportError as exc:
         raise DflashTrtError(f"the TensorRT-LLM option mapping is unavailable ({exc}); "
                              "reinstall dflash-trt") from exc
     options = llm_api_options(recipe, engine_dir / "target", engine_dir / "drafter",
-                              engine_dir=engine_dir)
+                              engine_dir=engine_dir, position_rates=rates)
     return write_llm_api_options(options, engine_dir).relative_to(engine_dir)
 
 
