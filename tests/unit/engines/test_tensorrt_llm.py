@@ -177,6 +177,37 @@ def test_snapshot_reads_the_documented_fields():
     assert snapshot(bare) == Snapshot((5,), "h", False, None, None, None)
 
 
+def test_a_zeroed_perf_section_is_unknown_and_spec_dec_totals_win():
+    zeroed = _RequestOutput([_Completion([5, 6, 7], "abc", None, None,
+                                         _PerfMetrics(_SpecMetrics(0, 0)))])
+    snap = snapshot(zeroed)
+    assert (snap.total_draft_tokens, snap.total_accepted_draft_tokens) == (None, None)
+    step = StepCounter().step(snap)
+    assert step.draft_counts_known is False and step.num_draft_tokens == 0
+    # newer TensorRT-LLM: spec_dec_totals = (accepted, drafted), on the completion or the output
+    newer = _Completion([5, 6, 7], "abc", None, None, _PerfMetrics(_SpecMetrics(0, 0)))
+    newer.spec_dec_totals = (4, 14)
+    snap = snapshot(_RequestOutput([newer]))
+    assert (snap.total_draft_tokens, snap.total_accepted_draft_tokens) == (14, 4)
+    on_output = _RequestOutput([_Completion([5], "a")])
+    on_output.spec_dec_totals = (1, 7)
+    assert snapshot(on_output).total_draft_tokens == 7
+
+
+def test_unknown_draft_counts_are_served_as_minus_one_not_zero():
+    from dflash_trt.engines.base import StepOutput
+    from dflash_trt.serving.requests import Totals, output_arrays
+
+    totals = Totals()
+    totals.add(StepOutput((1,), "a", 0, 0))
+    totals.add(StepOutput((2, 3), "bc", 0, 0, draft_counts_known=False))
+    arrays = output_arrays("abc", [1, 2, 3], totals)
+    assert arrays["total_draft_tokens"][0] == arrays["total_accepted_draft_tokens"][0] == -1
+    assert arrays["acceptance_length"][0] == 2.0  # measured from the tokens, known either way
+    totals.add(StepOutput((4,), "d", 7, 2))  # a later step with counters: known again
+    assert output_arrays("abcd", [1, 2, 3, 4], totals)["total_draft_tokens"][0] == 7
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 class OutOfMemoryError(RuntimeError):

@@ -31,6 +31,9 @@ def test_chunk_from_json_scalars_and_arrays():
                        "output_token_ids": np.array([[6, 7]], dtype=np.int32),
                        "total_draft_tokens": np.array([[3]], dtype=np.int32)}.get)
     assert many == Chunk("bc", (6, 7), 3, None, None)
+    unknown = chunk_from({"text_output": "a", "total_draft_tokens": -1,
+                          "total_accepted_draft_tokens": -1}.get)
+    assert unknown.total_draft_tokens is None and unknown.total_accepted_draft_tokens is None
 
 
 def test_result_gathers_chunks_and_keeps_the_last_stats():

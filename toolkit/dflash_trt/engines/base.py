@@ -41,6 +41,9 @@ class StepOutput:
     # dflash steps of the torch engine: the drafter's confidence in each verified draft (the peak
     # of its distribution there); empty where unknown
     draft_confidence: tuple[float, ...] = ()
+    # False when the runtime reported no draft counters for this step (TensorRT-LLM versions
+    # whose PyTorch flow leaves them zeroed): the counts above are then unknown, not 0
+    draft_counts_known: bool = True
 
 
 @dataclass

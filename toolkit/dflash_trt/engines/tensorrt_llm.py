@@ -62,7 +62,8 @@ def sampling_kwargs(params: SamplingParams, max_draft_len: int) -> dict[str, Any
     Greedy (temperature 0) leaves temperature/top_k/top_p unset: TensorRT-LLM's documented default
     is greedy. TensorRT-LLM fixes the draft length per engine, so a per-request `num_draft_tokens`
     below `max_draft_len` (including 0, the no-speculation baseline) cannot be honoured and is
-    refused rather than silently ignored.
+    refused rather than silently ignored (TensorRT-LLM chooses the draft length per batch size,
+    speculative_config.draft_len_schedule, never per request).
     """
     if params.max_new_tokens < 1:
         raise DflashTrtError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}")
@@ -72,7 +73,8 @@ def sampling_kwargs(params: SamplingParams, max_draft_len: int) -> dict[str, Any
     if k is not None and k < max_draft_len:
         raise DflashTrtError(
             f"num_draft_tokens={k} is not supported by the tensorrt_llm backend: TensorRT-LLM "
-            f"drafts a fixed {max_draft_len} tokens per step for the whole engine; for a "
+            f"drafts up to {max_draft_len} tokens per step, chosen per batch size for the whole "
+            "engine, never per request; for a "
             "no-speculation baseline deploy the same recipe with engine.backend: torch, or a "
             "second engine built without a drafter"
         )
@@ -117,14 +119,30 @@ class Snapshot:
     total_accepted_draft_tokens: int | None
 
 
+def draft_totals(output: Any, completion: Any) -> tuple[int | None, int | None]:
+    """(drafted, accepted) so far, or (None, None) when the runtime does not say.
+
+    Newer TensorRT-LLM fills `spec_dec_totals` = (accepted, drafted); the perf-metrics section
+    `speculative_decoding` is older, and its PyTorch flow delivered it zeroed even while drafting
+    ran (upstream backfills it from spec_dec_totals now). So: spec_dec_totals where it exists, the
+    section where it counts drafts, and a zeroed section is unknown, never 0 of 0.
+    """
+    for holder in (completion, output):
+        totals = getattr(holder, "spec_dec_totals", None)
+        if totals is not None:
+            accepted, drafted = (int(x) for x in totals)
+            return drafted, accepted
+    metrics = getattr(completion, "request_perf_metrics", None)
+    spec = getattr(metrics, "speculative_decoding", None) if metrics is not None else None
+    if spec is not None and int(spec.total_draft_tokens) > 0:
+        return int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)
+    return None, None
+
+
 def snapshot(output: Any) -> Snapshot:
     """Read a streamed `tensorrt_llm` RequestOutput (documented attribute names only)."""
     completion = output.outputs[0]
-    totals = (None, None)
-    metrics = getattr(completion, "request_perf_metrics", None)
-    spec = getattr(metrics, "speculative_decoding", None) if metrics is not None else None
-    if spec is not None:
-        totals = (int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens))
+    totals = draft_totals(output, completion)
     return Snapshot(
         token_ids=tuple(completion.token_ids_diff),
         text=completion.text_diff,
@@ -138,8 +156,9 @@ def snapshot(output: Any) -> Snapshot:
 class StepCounter:
     """Turns cumulative snapshots into per-step outputs (draft counters become per-step deltas).
 
-    When the runtime reports no counters the step says 0 drafted / 0 accepted rather than a guess;
-    the acceptance length is still measured from the tokens per step.
+    When the runtime reports no counters the step says so (draft_counts_known False) rather than
+    guess; the acceptance length is still measured from the tokens per step. A later snapshot
+    with counters carries everything drafted since the last known totals.
     """
 
     def __init__(self) -> None:
@@ -149,7 +168,8 @@ class StepCounter:
     def step(self, snap: Snapshot) -> StepOutput | None:
         """The step for one snapshot, or None when it carries nothing new."""
         drafted = accepted = 0
-        if snap.total_draft_tokens is not None and snap.total_accepted_draft_tokens is not None:
+        known = snap.total_draft_tokens is not None and snap.total_accepted_draft_tokens is not None
+        if known:
             drafted = max(snap.total_draft_tokens - self._drafted, 0)
             accepted = max(snap.total_accepted_draft_tokens - self._accepted, 0)
             self._drafted = snap.total_draft_tokens
@@ -164,6 +184,7 @@ class StepCounter:
             num_accepted_draft_tokens=accepted,
             finished=snap.finished,
             finish_reason=snap.finish_reason if snap.finished else None,
+            draft_counts_known=known,
         )
 
 

@@ -130,14 +130,19 @@ def _first(value, cast):
     return cast(flat[0]) if flat else None
 
 
+def _count(value) -> int | None:
+    """A served draft count; -1 means the runtime did not report it (None: unknown)."""
+    return None if int(value) < 0 else int(value)
+
+
 def chunk_from(get) -> Chunk:
     """A Chunk from `get(name)` -> array/JSON value or None (works for both protocols)."""
     texts = _flat(get("text_output"))
     text = "".join(t.decode("utf-8", errors="replace") if isinstance(t, bytes) else str(t)
                    for t in texts)
     return Chunk(text=text, token_ids=tuple(int(t) for t in _flat(get("output_token_ids"))),
-                 total_draft_tokens=_first(get("total_draft_tokens"), int),
-                 total_accepted_draft_tokens=_first(get("total_accepted_draft_tokens"), int),
+                 total_draft_tokens=_first(get("total_draft_tokens"), _count),
+                 total_accepted_draft_tokens=_first(get("total_accepted_draft_tokens"), _count),
                  acceptance_length=_first(get("acceptance_length"), float))
 
 

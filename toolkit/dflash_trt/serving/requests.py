@@ -175,6 +175,7 @@ class Totals:
     decoded_tokens: int = 0  # tokens from those forwards
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    draft_counts_known: bool = True  # as of the latest step (see StepOutput.draft_counts_known)
 
     def add(self, step: StepOutput) -> None:
         self.text += step.text
@@ -185,6 +186,7 @@ class Totals:
         self.steps += 1
         self.draft_tokens += step.num_draft_tokens
         self.accepted_draft_tokens += step.num_accepted_draft_tokens
+        self.draft_counts_known = step.draft_counts_known
 
     @property
     def acceptance_length(self) -> float:
@@ -193,11 +195,14 @@ class Totals:
 
 
 def output_arrays(text: str, token_ids: list[int], totals: Totals) -> dict[str, np.ndarray]:
-    """The model's output tensors (no batch dimension): this response's text/ids, running stats."""
+    """The model's output tensors (no batch dimension): this response's text/ids, running stats.
+    Draft counts the runtime did not report are -1 (unknown), never 0 of 0."""
+    drafted, accepted = ((totals.draft_tokens, totals.accepted_draft_tokens)
+                         if totals.draft_counts_known else (-1, -1))
     return {
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
         "output_token_ids": np.array(token_ids, dtype=np.int32),
-        "total_draft_tokens": np.array([totals.draft_tokens], dtype=np.int32),
-        "total_accepted_draft_tokens": np.array([totals.accepted_draft_tokens], dtype=np.int32),
+        "total_draft_tokens": np.array([drafted], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
         "acceptance_length": np.array([totals.acceptance_length], dtype=np.float32),
     }
