@@ -369,3 +369,45 @@ def test_backoff_is_lossless_on_a_real_target(family_setup):
         tokens, _ = gen.generate(HFTarget(model, drafter.target_layer_ids), drafter, ids,
                              max_new_tokens=NEW_TOKENS, block_size=4, backoff=True)
         assert tokens == ref
+
+
+# --- bad words ---------------------------------------------------------------------------------
+
+def test_banned_next_matches_the_word_prefix():
+    from dflash_trt.dflash.sampling import banned_next
+
+    assert banned_next([1, 2, 3], [(7,), (3, 9), (2, 9), (1, 2, 3, 8)]) == [7, 9, 8]
+    assert banned_next([], [(3, 9), (5,)]) == [5]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_bad_words_are_never_produced_and_speculation_stays_lossless(family_setup, block_size):
+    model, prompts, refs = family_setup
+    drafter = tiny_drafter(model, block_size=max(block_size, 2), target_layer_ids=[0, 2])
+    target = HFTarget(model, drafter.target_layer_ids)
+    for prompt, ref in zip(prompts, refs, strict=True):
+        # ban the plain output's first token outright and its 3rd-4th tokens as a pair
+        bad = ((ref[0],), (ref[2], ref[3]))
+        plain, _ = gen.generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS,
+                                block_size=1, bad_words=bad)
+        spec, _ = gen.generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS,
+                               block_size=block_size, bad_words=bad)
+        assert spec == plain != ref
+        assert ref[0] not in plain
+        assert all(plain[i:i + 2] != [ref[2], ref[3]] for i in range(len(plain) - 1))
+
+
+def test_sampling_with_a_bad_word_follows_the_masked_target_by_chi_square():
+    pytest.importorskip("scipy")
+    from dflash_trt.dflash.sampling import without
+
+    p_logits, q_logits = _markov(5)
+    sampler = Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(5))
+    tokens, stats = gen.generate(StubTarget(p_logits), StubDrafter(V, logits=q_logits), [0],
+                                 max_new_tokens=12000, block_size=8, sampler=sampler,
+                                 bad_words=((2,), (0, 1)))
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    seq = [0, *tokens]
+    assert 2 not in seq and all(seq[i:i + 2] != [0, 1] for i in range(len(seq) - 1))
+    masked = torch.stack([without(p_logits[a], [2, 1] if a == 0 else [2]) for a in range(V)])
+    assert _bigram_chi_square(seq, sampler.probs(masked)) > 1e-3

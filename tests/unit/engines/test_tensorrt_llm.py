@@ -40,10 +40,19 @@ from dflash_trt.errors import DflashTrtError
 
 # tensorrt_llm.SamplingParams fields we may use (from its documented dataclass fields).
 DOCUMENTED_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                              "return_perf_metrics", "end_id", "stop_token_ids"}
+                              "return_perf_metrics", "end_id", "stop_token_ids",
+                              "bad_token_ids"}
 
 
 # ---- sampling parameters ------------------------------------------------------------------------
+
+def test_end_id_and_single_token_bad_words_map_and_longer_ones_are_refused():
+    kwargs = sampling_kwargs(SamplingParams(end_id=2, bad_words=((5,), (9,))), max_draft_len=15)
+    assert kwargs["stop_token_ids"] == [2] and kwargs["bad_token_ids"] == [5, 9]
+    assert set(kwargs) <= DOCUMENTED_SAMPLING_FIELDS
+    with pytest.raises(DflashTrtError, match="^bad_words: 1 word"):
+        sampling_kwargs(SamplingParams(bad_words=((5, 6),)), max_draft_len=15)
+
 
 def test_greedy_leaves_sampling_to_the_documented_greedy_default():
     kwargs = sampling_kwargs(SamplingParams(max_new_tokens=7, top_k=5, top_p=0.5), max_draft_len=15)

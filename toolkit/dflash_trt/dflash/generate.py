@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_trt.dflash.lookup import lookup_drafts
-from dflash_trt.dflash.sampling import Sampler
+from dflash_trt.dflash.sampling import Sampler, banned_next, without
 
 # Draft back-off: after BACKOFF_PATIENCE drafter steps in a row with nothing accepted, the drafter
 # rests for 1, 2, 4, ... BACKOFF_MAX steps before drafting again. A verify pass over rejected
@@ -62,14 +62,19 @@ class GenerationStats:
 
 
 class _LazyLogits:
-    """Verify logits, computed on first use: a rejected first draft costs one LM-head row."""
+    """Verify logits, computed on first use: a rejected first draft costs one LM-head row.
+    `banned(i)`: tokens row i may not produce (bad words), masked out of what it returns."""
 
-    def __init__(self, target, hidden: torch.Tensor):
+    def __init__(self, target, hidden: torch.Tensor, banned: Callable[[int], list[int]]):
         self.target, self.hidden = target, hidden[0]  # (T, H)
+        self.banned = banned
         self.rows: torch.Tensor | None = None  # (T, V) once all are computed
         self.first: torch.Tensor | None = None  # (V,)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        return without(self._row(i), self.banned(i))
+
+    def _row(self, i: int) -> torch.Tensor:
         if i == 0 and self.rows is None:
             if self.first is None:
                 self.first = self.target.logits(self.hidden[0])  # (V,)
@@ -154,12 +159,16 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
                    stop_token_ids: Sequence[int] = (),
                    sampler: Sampler | None = None, backoff: bool = False,
                    prompt_lookup: bool = False,
-                   draft_length: Callable[[list[float]], int] | None = None) -> Iterator[Step]:
+                   draft_length: Callable[[list[float]], int] | None = None,
+                   bad_words: Sequence[Sequence[int]] = ()) -> Iterator[Step]:
     """Yield one Step per target forward until max_new_tokens or a stop token.
 
     backoff: rest a drafter that keeps missing (see BACKOFF_PATIENCE); off to measure a drafter.
     prompt_lookup: draft by n-gram lookup in prompt + output where it matches (dflash.lookup).
     draft_length: confidences of a drafter block -> how many leading drafts to verify.
+    bad_words: token sequences the output never contains: the target's distribution at every
+    position (plain step or verify row alike) has their last token masked where the tokens before
+    it match, so drafting stays lossless against the masked target.
     """
     sampler = sampler or Sampler()
     draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
@@ -176,7 +185,8 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
     target_cache = target.new_cache()
     hidden, features = target.forward(prompt, target_cache, capture)  # (1, P, H), (1, P, k*H)
     context = [features]  # target features not yet in the drafter's cache, in position order
-    token = int(sampler.sample(target.logits(hidden[:, -1]))[0])
+    token = int(sampler.sample(without(target.logits(hidden[:, -1]),
+                                       banned_next(prompt_ids, bad_words)))[0])
     generated = 1
     finish = "eos" if token in stops else "length" if generated >= max_new_tokens else None
     yield Step([token], 0, 0, finish)
@@ -210,7 +220,8 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         hidden, features = target.forward(verify_ids, target_cache, capture)  # (1, k+1, H)
 
         # 4. Accept a prefix of the drafts plus one token from the target.
-        logits = _LazyLogits(target, hidden)
+        logits = _LazyLogits(target, hidden, lambda i, d=drafts: banned_next(
+            history + d[:i], bad_words) if bad_words else [])
         if sampler.greedy:
             n, bonus = accept_greedy(logits, drafts)
         else:

@@ -47,3 +47,23 @@ class Sampler:
         if self.greedy:
             return logits.argmax(dim=-1)
         return self.draw(self.probs(logits))
+
+
+def banned_next(history, bad_words) -> list[int]:
+    """Tokens that would complete a banned sequence after `history` (TensorRT-LLM's bad_words):
+    a one-token word always, a longer one where history ends with all but its last token."""
+    banned = []
+    for word in bad_words:
+        head = len(word) - 1
+        if head == 0 or (len(history) >= head and list(history[-head:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
+def without(logits: torch.Tensor, banned: list[int]) -> torch.Tensor:
+    """(V,) or (1, V) logits with the banned tokens impossible (-inf); the input is untouched."""
+    if not banned:
+        return logits
+    out = logits.clone()
+    out[..., banned] = float("-inf")
+    return out

@@ -25,6 +25,9 @@ class SamplingParams:
     stop_words: tuple[str, ...] = ()
     # Draft tokens per step: None = the engine's default (block_size - 1); 0 = no speculation.
     num_draft_tokens: int | None = None
+    end_id: int | None = None  # one more token that ends the output (as the model's own EOS)
+    # token sequences the output never contains (TensorRT-LLM's bad_words / bad_token_ids)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,15 @@ def sampling_kwargs(params: SamplingParams, max_draft_len: int) -> dict[str, Any
         kwargs["seed"] = params.seed
     if params.stop_words:
         kwargs["stop"] = list(params.stop_words)
+    if params.end_id is not None:  # one more end token, as in the torch engine (end_id itself
+        kwargs["stop_token_ids"] = [params.end_id]  # would replace the model's own EOS)
+    if params.bad_words:
+        longer = [w for w in params.bad_words if len(w) > 1]
+        if longer:
+            raise DflashTrtError(
+                f"bad_words: {len(longer)} word(s) of several tokens; the tensorrt_llm backend "
+                "maps single-token bad words only (SamplingParams.bad_token_ids)")
+        kwargs["bad_token_ids"] = [w[0] for w in params.bad_words]
     return kwargs
 
 

@@ -129,6 +129,10 @@ class TorchEngine:
         vocab = self.target.embed_tokens.num_embeddings
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise UsageError(f"prompt token ids must be in [0, {vocab})")
+        if params.end_id is not None and not 0 <= params.end_id < vocab:
+            raise UsageError(f"end_id must be a token id in [0, {vocab}) (got {params.end_id})")
+        if any(not word or min(word) < 0 or max(word) >= vocab for word in params.bad_words):
+            raise UsageError(f"bad_words must be non-empty token sequences in [0, {vocab})")
 
     def _sampler(self, params: SamplingParams):
         import torch
@@ -165,11 +169,13 @@ class TorchEngine:
                                    max_new_tokens=params.max_new_tokens,
                                    block_size=self.block_size,
                                    num_draft_tokens=params.num_draft_tokens,
-                                   stop_token_ids=self.stop_token_ids,
+                                   stop_token_ids=[*self.stop_token_ids, *(
+                                       [] if params.end_id is None else [params.end_id])],
                                    sampler=self._sampler(params),
                                    backoff=self.draft_backoff,
                                    prompt_lookup=self.prompt_lookup,
-                                   draft_length=self._draft_length())
+                                   draft_length=self._draft_length(),
+                                   bad_words=params.bad_words)
             try:
                 for step in steps:
                     text, stopped = stops.push(detok.push(step.token_ids))
