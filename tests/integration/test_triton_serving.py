@@ -327,3 +327,54 @@ def test_served_text_equals_dflash_trt_generate(repo, grpc):
     served = grpc.generate(GenerateRequest(prompt=PROMPTS[7], max_tokens=MAX_TOKENS,
                                            temperature=0.0))
     assert (served.text, served.token_ids) == (want["text"], want["token_ids"])
+
+
+# --- TensorRT-LLM's stock ensemble clients -------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("ids", [{}, {"end_id": 0, "pad_id": 0}])
+def test_stock_ensemble_client_gets_the_engine_text(server, engine, stream, ids):
+    from stock_protocol import stock_generate
+
+    prompt = PROMPTS[0]
+    want = reference(engine, prompt, temperature=0.0, end_id=ids.get("end_id"))
+    text, errors = stock_generate(server.grpc_url, prompt, MAX_TOKENS, stream=stream,
+                                  temperature=0.0, exclude_input_in_output=True, **ids)
+    assert errors == [] and text == want.text
+
+
+def test_stock_client_without_exclude_gets_the_prompt_first_when_not_streaming(server, engine):
+    from stock_protocol import stock_generate
+
+    want = reference(engine, PROMPTS[1], temperature=0.0).text
+    text, errors = stock_generate(server.grpc_url, PROMPTS[1], MAX_TOKENS, stream=False,
+                                  temperature=0.0)
+    assert errors == [] and text == PROMPTS[1] + want
+    streamed, errors = stock_generate(server.grpc_url, PROMPTS[1], MAX_TOKENS, stream=True,
+                                      temperature=0.0)
+    assert errors == [] and streamed == want  # streamed pieces never carry the prompt
+
+
+def test_stock_client_bad_words_are_never_generated(server, engine):
+    from stock_protocol import stock_generate
+
+    plain = reference(engine, PROMPTS[2], temperature=0.0)
+    # the answer's first token whose text encodes back to itself: ban it
+    first, banned = next((i, engine.tokenizer.decode([t])) for i, t in enumerate(plain.token_ids)
+                         if engine.tokenize(engine.tokenizer.decode([t])) == [t])
+    ids = tuple(engine.tokenize(banned))
+    want = reference(engine, PROMPTS[2], temperature=0.0, bad_words=(ids,))
+    text, errors = stock_generate(server.grpc_url, PROMPTS[2], MAX_TOKENS, stream=True,
+                                  temperature=0.0, bad_words=[banned])
+    assert errors == [] and text == want.text != plain.text
+    assert want.token_ids[:first] == plain.token_ids[:first] and ids[0] not in want.token_ids
+
+
+def test_stock_client_beam_search_is_refused_by_name(server):
+    import numpy as np
+    from stock_protocol import stock_generate
+
+    _, errors = stock_generate(server.grpc_url, PROMPTS[0], 4, stream=False, temperature=0.0,
+                               exclude_input_in_output=True,
+                               extra=[("num_return_sequences", np.array([[2]], np.int32))])
+    assert len(errors) == 1 and "num_return_sequences: only 1 is supported" in errors[0]

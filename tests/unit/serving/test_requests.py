@@ -152,3 +152,53 @@ def test_any_request_is_refused_cleanly_or_valid(inputs, decoupled):
     assert len(p.stop_words) <= MAX_STOP_WORDS
     assert all(0 < len(w) <= MAX_STOP_WORD_CHARS for w in p.stop_words)
     assert not req.stream or decoupled
+
+
+# --- what TensorRT-LLM's ensemble clients send -----------------------------------------------
+
+def test_the_stock_client_inputs_are_accepted_at_their_defaults():
+    req = parse(text_input=text("hi"), max_tokens=np.array([5], np.int32),
+                stream=np.array([False]), beam_width=np.array([1], np.int32),
+                temperature=np.array([0.0], np.float32),
+                exclude_input_in_output=np.array([True]), num_return_sequences=np.array([1]),
+                repetition_penalty=np.array([1.0], np.float32),
+                presence_penalty=np.array([0.0], np.float32),
+                frequency_penalty=np.array([0.0], np.float32),
+                length_penalty=np.array([0.5], np.float32), min_tokens=np.array([0]),
+                pad_id=np.array([3], np.int32), return_perf_metrics=np.array([True]),
+                return_log_probs=np.array([False]))
+    assert req.params.max_new_tokens == 5 and req.echo == ""
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("beam_width", np.array([2], np.int32)), ("num_return_sequences", np.array([3], np.int32)),
+    ("repetition_penalty", np.array([1.2], np.float32)), ("min_tokens", np.array([4])),
+    ("presence_penalty", np.array([0.5], np.float32)), ("return_log_probs", np.array([True])),
+])
+def test_what_this_engine_cannot_honour_is_refused_by_name(name, value):
+    with pytest.raises(BadRequest, match=f"^{name}: only .* is supported"):
+        parse(text_input=text("hi"), **{name: value})
+
+
+def test_end_id_bad_words_and_the_echoed_prompt():
+    req = parse(text_input=text("hi"), end_id=np.array([7], np.int32),
+                bad_words=np.array([b"ab", b"", b"c"], dtype=object),
+                exclude_input_in_output=np.array([False]))
+    assert req.params.end_id == 7
+    assert req.params.bad_words == ((97, 98), (99,))
+    assert req.echo == "hi"  # non-streamed, exclude_input_in_output false: prompt first
+    streamed = parse(text_input=text("hi"), stream=np.array([True]),
+                     exclude_input_in_output=np.array([False]))
+    assert streamed.echo == ""  # streamed pieces never carry the prompt
+    with pytest.raises(BadRequest, match="^end_id: "):
+        parse(text_input=text("hi"), end_id=np.array([-1], np.int32))
+
+
+def test_acceptance_rate_output():
+    totals = Totals()
+    totals.add(StepOutput((1,), "a", 0, 0))
+    assert output_arrays("a", [1], totals)["acceptance_rate"][0] == 0.0  # nothing drafted yet
+    totals.add(StepOutput((2, 3), "bc", 4, 1))
+    assert output_arrays("bc", [2, 3], totals)["acceptance_rate"][0] == pytest.approx(0.25)
+    totals.add(StepOutput((4,), "d", 0, 0, draft_counts_known=False))
+    assert output_arrays("d", [4], totals)["acceptance_rate"][0] == -1.0

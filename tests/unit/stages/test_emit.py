@@ -55,13 +55,38 @@ def test_emit_writes_a_self_contained_decoupled_cpu_model(tmp_path):
     assert not inputs["text_input"].optional and inputs["max_tokens"].optional
     assert {o.name for o in config.output} == {"text_output", "output_token_ids",
                                                "total_draft_tokens",
-                                               "total_accepted_draft_tokens", "acceptance_length"}
+                                               "total_accepted_draft_tokens", "acceptance_length",
+                                               "acceptance_rate"}
+    # every input the model reads is declared, and nothing else
+    from dflash_trt.serving.requests import INPUTS
+
+    assert set(inputs) == set(INPUTS)
     assert (model_dir / "1" / "model.py").read_text() == \
         (CHECKOUT_TEMPLATES / "dflash" / "1" / "model.py").read_text()
     copied = model_dir / "1" / "engine" / "target" / "model.safetensors"
     assert copied.read_bytes() == b"weights"
     assert not os.path.samefile(copied, engine / "target" / "model.safetensors")
     assert EngineSpec.read(model_dir / "1" / "engine").target == "target"
+
+
+def test_the_ensemble_routes_every_input_and_output_to_the_model(tmp_path):
+    from dflash_trt.stages.emit import emit_ensemble
+
+    engine = fake_engine(tmp_path)
+    model_dir = emit_repository(engine, tmp_path / "repo", TritonSection(), "cpu")
+    ensemble_dir = emit_ensemble(model_dir, "ensemble")
+    model, ensemble = parse_config(model_dir / "config.pbtxt"), parse_config(
+        ensemble_dir / "config.pbtxt")
+    assert ensemble.name == "ensemble" and ensemble.platform == "ensemble"
+    assert ensemble.max_batch_size == model.max_batch_size
+    assert list(ensemble.input) == list(model.input) and list(ensemble.output) == list(model.output)
+    (step,) = ensemble.ensemble_scheduling.step
+    assert step.model_name == "dflash" and step.model_version == -1
+    assert dict(step.input_map) == {i.name: i.name for i in model.input}
+    assert dict(step.output_map) == {o.name: o.name for o in model.output}
+    assert (ensemble_dir / "1").is_dir()
+    with pytest.raises(DflashTrtError, match="already exists"):
+        emit_ensemble(model_dir, "ensemble")
 
 
 def test_emit_can_hard_link_the_engine(tmp_path):

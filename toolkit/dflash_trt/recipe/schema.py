@@ -258,6 +258,16 @@ class TritonSection(Section):
     instance_count: int = Field(1, ge=1, le=64, description="Model instances.")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed to stream).")
     max_tokens: int = Field(128, ge=1, description="Default max_tokens of a request.")
+    ensemble_name: SafeName | None = Field(
+        "ensemble", description="Also emit a Triton ensemble of this name routing to the model "
+        "unchanged, for clients written for TensorRT-LLM's `ensemble` (null: none).")
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> TritonSection:
+        if self.ensemble_name == self.model_name:
+            raise ValueError(f"ensemble_name {self.ensemble_name!r} is the model_name too; "
+                             "choose another name or null")
+        return self
 
 
 class Recipe(Section):

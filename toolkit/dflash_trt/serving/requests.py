@@ -17,7 +17,24 @@ from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.spec import EngineSpec
 
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed",
-          "stop_words", "num_draft_tokens")
+          "stop_words", "num_draft_tokens",
+          # what TensorRT-LLM's ensemble clients send (end_to_end_grpc_client.py, genai-perf)
+          "beam_width", "num_return_sequences", "exclude_input_in_output", "end_id", "pad_id",
+          "bad_words", "min_tokens", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "length_penalty", "return_log_probs", "return_context_logits",
+          "return_generation_logits", "return_perf_metrics")
+# Inputs accepted only at the value that changes nothing here, with why.
+NEUTRAL = {
+    "beam_width": (1, "beam search is not supported; DFlash verifies one sequence"),
+    "num_return_sequences": (1, "one sequence per request; send the request again for more"),
+    "min_tokens": (0, "a minimum output length is not supported"),
+    "repetition_penalty": (1.0, "penalties are not supported by this engine"),
+    "presence_penalty": (0.0, "penalties are not supported by this engine"),
+    "frequency_penalty": (0.0, "penalties are not supported by this engine"),
+    "return_log_probs": (False, "log probabilities are not returned"),
+    "return_context_logits": (False, "logits are not returned"),
+    "return_generation_logits": (False, "logits are not returned"),
+}
 UINT64_MAX = 2**64 - 1
 # Stop words are matched against the text after every step: bound how much matching a request
 # can ask for (far above any real use).
@@ -36,6 +53,7 @@ class ServeRequest:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
+    echo: str = ""  # text_input, when exclude_input_in_output=false asks for it in the output
 
 
 def _scalar(inputs: Mapping[str, np.ndarray | None], name: str):
@@ -87,25 +105,49 @@ def _float(inputs, name: str, default: float) -> float:
     return value
 
 
-def _stop_words(inputs) -> tuple[str, ...]:
-    stop = inputs.get("stop_words")
+def _words(inputs, name: str = "stop_words") -> tuple[str, ...]:
+    stop = inputs.get(name)
     if stop is None:
         return ()
     flat = np.asarray(stop, dtype=object).reshape(-1)
     if flat.size > MAX_STOP_WORDS:
-        raise BadRequest(f"stop_words: at most {MAX_STOP_WORDS} words, got {flat.size}")
-    words = tuple(w for w in (_text(v, "stop_words") for v in flat) if w)
+        raise BadRequest(f"{name}: at most {MAX_STOP_WORDS} words, got {flat.size}")
+    words = tuple(w for w in (_text(v, name) for v in flat) if w)
     long = [w for w in words if len(w) > MAX_STOP_WORD_CHARS]
     if long:
-        raise BadRequest(f"stop_words: each word at most {MAX_STOP_WORD_CHARS} characters, got "
+        raise BadRequest(f"{name}: each word at most {MAX_STOP_WORD_CHARS} characters, got "
                          f"one of {len(long[0])}")
     return words
 
 
+def _bool(inputs, name: str) -> bool | None:
+    value = _scalar(inputs, name)
+    if value is not None and not isinstance(value, (bool, np.bool_, int)):
+        raise BadRequest(f"{name}: must be a boolean, got {value!r}")
+    return None if value is None else bool(value)
+
+
+def _check_neutral(inputs) -> None:
+    for name, (neutral, why) in NEUTRAL.items():
+        if inputs.get(name) is None:
+            continue
+        if isinstance(neutral, bool):
+            value = _bool(inputs, name)
+        elif isinstance(neutral, int):
+            value = _int(inputs, name, neutral)
+        else:
+            value = _float(inputs, name, neutral)
+        if value != neutral:
+            raise BadRequest(f"{name}: only {neutral} is supported, got {value} ({why})")
+
+
 def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
                   tokenize: Callable[[str], list[int]], max_seq_len: int, block_size: int,
-                  decoupled: bool) -> ServeRequest:
-    """Validate the Triton inputs of one request (batch dimension already removed or 1)."""
+                  decoupled: bool,
+                  tokenize_word: Callable[[str], list[int]] | None = None) -> ServeRequest:
+    """Validate the Triton inputs of one request (batch dimension already removed or 1).
+    tokenize_word: a bad word's token ids (no template, no special tokens); default tokenize."""
+    tokenize_word = tokenize_word or tokenize
     # 1. the prompt
     array = inputs.get("text_input")
     if array is None:
@@ -119,10 +161,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
         raise BadRequest("text_input: the prompt is empty")
 
     # 2. sampling parameters, each checked against its own limits
-    stream = _scalar(inputs, "stream")
-    if stream is not None and not isinstance(stream, (bool, np.bool_, int)):
-        raise BadRequest(f"stream: must be a boolean, got {stream!r}")
-    stream = bool(stream)
+    stream = bool(_bool(inputs, "stream"))
     if stream and not decoupled:
         raise BadRequest("stream: streaming needs a decoupled model; emit the repository with "
                          "triton.decoupled: true or send stream=false")
@@ -149,7 +188,17 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
         if not 0 <= num_draft <= block_size - 1:
             raise BadRequest(f"num_draft_tokens: must be in [0, {block_size - 1}] "
                              f"(block_size - 1; 0 = no speculation), got {num_draft}")
-    stop_words = _stop_words(inputs)
+    stop_words = _words(inputs)
+    _check_neutral(inputs)
+    end_id = _int(inputs, "end_id", None)
+    if end_id is not None and end_id < 0:
+        raise BadRequest(f"end_id: must be a token id >= 0, got {end_id}")
+    _int(inputs, "pad_id", None)  # padding pads nothing with one sequence: checked, unused
+    _float(inputs, "length_penalty", 1.0)  # scores beams only: no effect on one sequence
+    _bool(inputs, "return_perf_metrics")  # the draft counters are always returned
+    bad_words = tuple(tuple(ids) for ids in (tokenize_word(w) for w in _words(inputs, "bad_words"))
+                      if ids)
+    exclude = _bool(inputs, "exclude_input_in_output")
 
     # 3. the prompt must leave room for at least one new token
     prompt_ids = tokenize(prompt)
@@ -160,8 +209,11 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
         max_new_tokens=min(max_tokens, max_seq_len - len(prompt_ids)),
         temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, stop_words=stop_words,
-        num_draft_tokens=num_draft)
-    return ServeRequest(prompt_ids=prompt_ids, params=params, stream=stream)
+        num_draft_tokens=num_draft, end_id=end_id, bad_words=bad_words)
+    # TensorRT-LLM's ensemble returns the prompt ahead of a non-streamed output unless told not
+    # to; streamed pieces never carry it. Without the input this model returns the output only.
+    echo = prompt if exclude is False and not stream else ""
+    return ServeRequest(prompt_ids=prompt_ids, params=params, stream=stream, echo=echo)
 
 
 @dataclass
@@ -205,4 +257,12 @@ def output_arrays(text: str, token_ids: list[int], totals: Totals) -> dict[str, 
         "total_draft_tokens": np.array([drafted], dtype=np.int32),
         "total_accepted_draft_tokens": np.array([accepted], dtype=np.int32),
         "acceptance_length": np.array([totals.acceptance_length], dtype=np.float32),
+        # accepted / drafted, as TensorRT-LLM's Triton models report it; -1 when unknown
+        "acceptance_rate": np.array([accepted / drafted if drafted > 0 else
+                                     0.0 if drafted == 0 else -1.0], dtype=np.float32),
     }
+
+
+# Outputs with no batch dimension even in a batched model: TensorRT-LLM's postprocessing returns
+# text_output 1-D ([1]), and its clients read it as `as_numpy("text_output")[0].decode()`.
+UNBATCHED_OUTPUTS = frozenset({"text_output"})

@@ -1,5 +1,6 @@
 """The emit stage: a self-contained Triton model repository from the `triton_repo/` templates.
 
+<out>/<ensemble_name>/    a Triton ensemble routing to <model_name> (TensorRT-LLM's client name)
 <out>/<model_name>/
   config.pbtxt          from the template, every placeholder filled (substitute, never
                         safe_substitute), parsed back with Triton's own protobuf schema
@@ -100,6 +101,33 @@ def emit_repository(engine_dir: Path, out_dir: Path, triton, hardware: str, *,
     return model_dir
 
 
+def emit_ensemble(model_dir: Path, name: str) -> Path:
+    """Write `<repo>/<name>/`: a Triton ensemble that routes every input and output of the model
+    in `model_dir` to it unchanged, so clients written for TensorRT-LLM's `ensemble` model (its
+    end_to_end_grpc_client.py, genai-perf's tensorrtllm format) reach it under that name."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    model_dir = Path(model_dir)
+    model = model_config_pb2.ModelConfig()
+    text_format.Parse((model_dir / "config.pbtxt").read_text(), model)
+    ensemble_dir = model_dir.parent / name
+    if ensemble_dir.exists():
+        raise DflashTrtError(f"{ensemble_dir} already exists; emit into an empty directory")
+    ensemble = model_config_pb2.ModelConfig(name=name, platform="ensemble",
+                                            max_batch_size=model.max_batch_size)
+    ensemble.input.extend(model.input)
+    ensemble.output.extend(model.output)
+    step = ensemble.ensemble_scheduling.step.add(model_name=model.name, model_version=-1)
+    step.input_map.update({i.name: i.name for i in model.input})
+    step.output_map.update({o.name: o.name for o in model.output})
+    (ensemble_dir / VERSION).mkdir(parents=True)  # Triton wants a version, even an empty one
+    header = (f"# Routes TensorRT-LLM ensemble clients to `{model.name}` unchanged (dflash-trt "
+              "emit stage).\n")
+    (ensemble_dir / "config.pbtxt").write_text(header + text_format.MessageToString(ensemble))
+    return ensemble_dir
+
+
 def run_emit_stage(ctx) -> dict:
     """Emit build/<name>/triton_repo/<model_name>/ from the compiled engine."""
     recipe = ctx.recipe
@@ -108,7 +136,10 @@ def run_emit_stage(ctx) -> dict:
         # second copy of the weights on disk. Copy the directory to move it elsewhere.
         model_dir = emit_repository(ctx.stage_dir("compile"), ctx.out, recipe.triton,
                                     recipe.hardware, link=True)
+        if recipe.triton.ensemble_name:
+            emit_ensemble(model_dir, recipe.triton.ensemble_name)
     return {"model_name": recipe.triton.model_name,
+            "ensemble_name": recipe.triton.ensemble_name,
             "model_dir": str(model_dir.relative_to(ctx.out)),
             "decoupled": recipe.triton.decoupled,
             "instance_count": recipe.triton.instance_count}

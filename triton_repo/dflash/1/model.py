@@ -17,7 +17,14 @@ import triton_python_backend_utils as pb_utils
 from dflash_trt.engines import load_engine
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.serving.requests import INPUTS, BadRequest, Totals, output_arrays, parse_request
+from dflash_trt.serving.requests import (
+    INPUTS,
+    UNBATCHED_OUTPUTS,
+    BadRequest,
+    Totals,
+    output_arrays,
+    parse_request,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_DIR = Path(__file__).resolve().parent / "engine"
@@ -123,12 +130,14 @@ class TritonPythonModel:
             block_size=self.engine.block_size, decoupled=self.decoupled,
             tokenize=lambda text: self.engine.tokenize(
                 text, chat=self.spec.chat_template,
-                parse_special_tokens=self.spec.parse_special_tokens))
+                parse_special_tokens=self.spec.parse_special_tokens),
+            tokenize_word=lambda word: self.engine.tokenize(word))
 
     def _response(self, text, token_ids, totals):
         tensors = []
         for name, array in output_arrays(text, token_ids, totals).items():
-            tensors.append(pb_utils.Tensor(name, array[None, ...] if self.batched else array))
+            batch = self.batched and name not in UNBATCHED_OUTPUTS
+            tensors.append(pb_utils.Tensor(name, array[None, ...] if batch else array))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _responses(self, request):
@@ -159,7 +168,7 @@ class TritonPythonModel:
                 if finished:
                     break
             if not req.stream:
-                yield self._response(totals.text, totals.token_ids or [], totals), True
+                yield self._response(req.echo + totals.text, totals.token_ids or [], totals), True
             elif not finished:  # the engine ended without a final step: close the stream
                 yield None, True
             outcome = "success"
