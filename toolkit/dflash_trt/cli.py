@@ -89,6 +89,11 @@ def plan(recipe: str, as_json: bool) -> None:
     click.echo(f"build dir: {r.build_dir}")
     for stage, why in rows:
         click.echo(f"  {stage:<9} {'up to date' if why is None else 'will run: ' + why}")
+    if r.engine.backend == "tensorrt_llm":
+        from dflash_trt.stages.memory import memory_lines
+
+        for line in memory_lines(r):
+            click.echo(line)
 
 
 @cli.command()
