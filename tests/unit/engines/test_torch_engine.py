@@ -242,6 +242,38 @@ def test_cli_eval_passes_and_writes_a_report(dirs, tmp_path):
     assert "P(draft i accepted" in result.output
 
 
+def test_cli_eval_reports_the_full_vocabulary_figure_for_a_draft_vocabulary(dirs, tmp_path):
+    import shutil
+
+    from dflash_trt.dflash.drafter import write_draft_vocab
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(dirs[1], drafter)
+    write_draft_vocab(drafter, list(range(0, 128, 2)))  # drafts even token ids only
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(drafter), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["mean_acceptance_length_full_vocab"] >= 1.0
+    assert "drafting the full vocabulary" in result.output
+    plain = CliRunner().invoke(COMMAND["eval"], [
+        "--target", str(dirs[0]), "--drafter", str(dirs[1]), "--prompts", str(prompts),
+        "--max-new-tokens", "4", "--report", str(report)])
+    assert json.loads(report.read_text())["mean_acceptance_length_full_vocab"] is None, plain.output
+
+    from dflash_trt.engines.torch_engine import TorchEngine
+    from dflash_trt.stages.verify import full_vocab_lengths
+
+    engine = TorchEngine.load(dirs[0], drafter, max_seq_len=256)
+    vocab = engine.drafter.draft_vocab
+    lengths = full_vocab_lengths(engine, [engine.tokenize("hi")], 8)
+    assert lengths and engine.drafter.draft_vocab is vocab  # restored after the run
+
+
 def test_cli_eval_with_prompt_lookup_counts_its_steps(dirs, tmp_path, monkeypatch):
     from dflash_trt.dflash import generate as gen
 

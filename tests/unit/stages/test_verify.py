@@ -37,6 +37,16 @@ def test_gates():
     assert "max_acceptance_drop" in gate_failures(report([1, 2, 2], [1, 4, 4]), 1.0, 0.5)[0]
 
 
+def test_tensorrt_llm_builds_gate_on_the_full_vocabulary_figure():
+    r = report([3, 3], [3, 3])
+    r.full_vocab_acceptance_lengths = [1, 1]  # drafting the whole vocabulary: nothing passes
+    assert gate_failures(r, 1.5, 0.5) == []  # the torch engine drafts the draft vocabulary
+    r.gate_on_full_vocab = True
+    (failure,) = gate_failures(r, 1.5, 0.5)
+    assert "over the full vocabulary" in failure and "1.00 < verify.min_acceptance_length" in failure
+    assert r.to_dict()["full_vocab_acceptance_length"] == 1.0
+
+
 def test_reports_are_written(tmp_path):
     write_reports(report([1, 2, 4], [1, 4, 4]), tmp_path)
     data = json.loads((tmp_path / "verify.json").read_text())

@@ -217,15 +217,17 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, pars
     from dflash_trt.dflash.acceptance import acceptance_profile, plot_profile, profile_lines
     from dflash_trt.engines.base import SamplingParams
     from dflash_trt.prompts import load_prompts
+    from dflash_trt.stages.verify import full_vocab_lengths
     from dflash_trt.stages.verify import verdict as compare_outputs
 
     prompts = load_prompts(prompts_file, num_prompts)
     engine = _load_engine(target, drafter, device, dtype, block_size, max_seq_len, prompt_lookup,
                           draft_length)
     engine.draft_backoff = False  # measure the drafter on every step
-    rows, lengths, lookup_steps, drafter_steps = [], [], 0, []
+    rows, lengths, lookup_steps, drafter_steps, all_ids = [], [], 0, [], []
     for number, text_prompt in enumerate(prompts, 1):
         ids = engine.tokenize(text_prompt, chat=chat, parse_special_tokens=parse_special_tokens)
+        all_ids.append(ids)
         plain = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens,
                                                        num_draft_tokens=0))
         spec = run_prompt(engine, ids, SamplingParams(max_new_tokens=max_new_tokens))
@@ -246,11 +248,16 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, pars
                    f"{plain['tokens_per_s']:.1f} -> {spec['tokens_per_s']:.1f} tokens/s")
     histogram = dict(sorted(Counter(lengths).items()))
     mean = sum(lengths) / len(lengths) if lengths else 0.0
+    full_mean = None  # TensorRT-LLM drafts over the whole vocabulary (ignores draft_vocab.json)
+    if engine.drafter is not None and engine.drafter.draft_vocab is not None:
+        full = full_vocab_lengths(engine, all_ids, max_new_tokens)
+        full_mean = sum(full) / len(full) if full else 0.0
     mismatches = sum(r["status"] == "mismatch" for r in rows)
     ties = sum(r["status"] == "near-tie" for r in rows)
     summary = {"num_prompts": len(rows), "num_identical": len(rows) - mismatches - ties,
                "num_near_ties": ties, "num_mismatches": mismatches, "dtype": engine.dtype,
                "mean_acceptance_length": mean, "block_size": engine.block_size,
+               "mean_acceptance_length_full_vocab": full_mean,
                "prompt_lookup": prompt_lookup, "num_lookup_steps": lookup_steps,
                "draft_length": draft_length,
                "acceptance_profile": acceptance_profile(drafter_steps),
@@ -262,6 +269,9 @@ def eval_(target, drafter, prompts_file, num_prompts, max_new_tokens, chat, pars
                      f"{prompts_file}, {engine.dtype}")
     click.echo(f"mean acceptance length {mean:.3f} over {len(lengths)} steps; histogram "
                + " ".join(f"{k}:{v}" for k, v in histogram.items()))
+    if full_mean is not None:
+        click.echo(f"mean acceptance length drafting the full vocabulary (as TensorRT-LLM "
+                   f"drafts): {full_mean:.3f}; with the draft vocabulary: {mean:.3f}")
     for line in profile_lines(summary["acceptance_profile"]):
         click.echo(line)
     if prompt_lookup:
