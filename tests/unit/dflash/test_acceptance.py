@@ -37,3 +37,54 @@ def test_confidence_one_falls_in_the_top_bin_and_empty_input_is_empty():
 def test_plot_writes_a_png(tmp_path):
     plot_profile(acceptance_profile([((0.9, 0.5), 1), ((0.3,), 0)]), tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_points_keep_the_well_filled_bins():
+    from dflash_trt.dflash.acceptance import calibration_points
+
+    steps = [((0.95,), 0)] * 30 + [((0.55,), 1)] * 5
+    points = calibration_points(acceptance_profile(steps))
+    assert points == [[pytest.approx(0.95), 0.0]]  # the 0.5 bin has 5 drafts: left out
+
+
+def test_calibrated_interpolates_and_is_flat_beyond_the_points():
+    from dflash_trt.dflash.acceptance import calibrated
+
+    curve = calibrated([[0.9, 0.5], [0.3, 0.1]])
+    assert curve(0.3) == pytest.approx(0.1) and curve(0.6) == pytest.approx(0.3)
+    assert curve(0.0) == pytest.approx(0.1) and curve(1.0) == pytest.approx(0.5)
+    assert calibrated([]) is None
+
+
+def test_read_calibration_takes_reports_and_engine_files(tmp_path):
+    import json
+
+    from dflash_trt.dflash.acceptance import read_calibration
+    from dflash_trt.errors import UsageError
+
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"acceptance_profile": acceptance_profile([((0.95,), 1)] * 25)}))
+    assert read_calibration(report) == [[pytest.approx(0.95), 1.0]]
+    engine_file = tmp_path / "acceptance_calibration.json"
+    engine_file.write_text(json.dumps({"points": [[0.5, 0.2]]}))
+    assert read_calibration(engine_file) == [[0.5, 0.2]]
+    thin = tmp_path / "thin.json"
+    thin.write_text(json.dumps({"acceptance_profile": acceptance_profile([((0.95,), 1)] * 3)}))
+    with pytest.raises(UsageError, match="no calibration bin has 20"):
+        read_calibration(thin)
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(UsageError, match="no acceptance_profile"):
+        read_calibration(tmp_path / "other.json")
+
+
+def test_bench_offline_calibration_needs_adaptive(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.commands.bench import bench_offline_command
+
+    report = tmp_path / "eval.json"
+    report.write_text('{"points": [[0.5, 0.2]]}')
+    result = CliRunner().invoke(bench_offline_command, [
+        "--target", "nowhere", "--drafter", str(tmp_path), "--prompts", "builtin:chat",
+        "--calibration", str(report)])
+    assert result.exit_code == 2 and "add --adaptive" in result.output

@@ -86,6 +86,31 @@ def test_adaptive_draft_length_ships_the_cost_model_measured_at_build(built):
     assert not (out / COST_MODEL_FILE).exists() and load_engine(out).cost_model is None
 
 
+def test_adaptive_engines_carry_the_verify_calibration(built):
+    import json
+
+    from dflash_trt.engines.cost_model import CALIBRATION_FILE
+
+    root, recipe = built
+    reports = recipe.build_dir / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    profile = {"drafter_steps": 60, "calibration": [
+        {"mean_confidence": 0.95, "rate": 0.5, "drafts": 40},
+        {"mean_confidence": 0.35, "rate": 0.1, "drafts": 30},
+        {"mean_confidence": 0.55, "rate": 0.9, "drafts": 3}]}  # too few drafts: left out
+    (reports / "verify.json").write_text(json.dumps({"acceptance_profile": profile}))
+    try:
+        out, info = compile_to(recipe, "engine-calibrated")
+    finally:
+        shutil.rmtree(reports)
+    assert info["acceptance_calibration"] == 2
+    stored = json.loads((out / CALIBRATION_FILE).read_text())
+    assert stored["points"] == [[0.95, 0.5], [0.35, 0.1]]
+    engine = load_engine(out)
+    assert engine.acceptance(0.95) == 0.5 and engine.acceptance(0.65) == pytest.approx(0.3)
+    assert load_engine(compile_to(recipe, "engine-uncalibrated")[0]).acceptance is None
+
+
 def test_trtllm_build_path_is_refused_with_the_reason(built):
     _, recipe = built
     engine = recipe.engine.model_copy(update={"build_path": "trtllm_build"})

@@ -33,6 +33,7 @@ from dflash_trt.engines.base import first_mismatch
 PLAIN = "plain"
 DFLASH = "dflash"
 DFLASH_ADAPTIVE = "dflash-adaptive"
+DFLASH_CALIBRATED = "dflash-calibrated"  # adaptive, its confidences calibrated on measured acceptance
 DFLASH_LOOKUP = "dflash+lookup"
 HF_GREEDY = "hf-generate"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
@@ -190,14 +191,15 @@ def _summarize(name: str, seconds: list[list[float]],
 
 
 def engine_contender(name: str, engine, num_draft_tokens: int | None,
-                     prompt_lookup: bool = False, cost_model=None) -> Contender:
+                     prompt_lookup: bool = False, cost_model=None, acceptance=None) -> Contender:
     """The torch engine at temperature 0; num_draft_tokens=0 turns speculation off; a cost model
-    turns on adaptive draft length."""
+    turns on adaptive draft length, `acceptance` calibrates its confidences."""
     from dflash_trt.engines.base import SamplingParams
 
     def generate(prompt_ids: Sequence[int], max_new_tokens: int) -> Generation:
         engine.prompt_lookup = prompt_lookup  # contenders share one engine
         engine.cost_model = cost_model
+        engine.acceptance = acceptance
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                 num_draft_tokens=num_draft_tokens)
         tokens, forwards = [], 0
@@ -250,7 +252,8 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
                     dtype: str = "float32", block_size: int | None = None,
                     prompt_lookup_num_tokens: int = PROMPT_LOOKUP_NUM_TOKENS,
                     max_seq_len: int = 4096, prompt_lookup: bool = False,
-                    adaptive: bool = False) -> LoadedContenders:
+                    adaptive: bool = False,
+                    calibration: list | None = None) -> LoadedContenders:
     """Load the torch engine; the transformers contenders run the engine's own model object.
 
     Sharing the model guarantees the same weights, dtype, device and attention implementation,
@@ -281,6 +284,12 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
                     "draft": round(1000 * cost_model.costs.draft_s, 2)}
         contenders.insert(2, engine_contender(DFLASH_ADAPTIVE, engine, num_draft_tokens=None,
                                               cost_model=cost_model))
+        if calibration:
+            from dflash_trt.dflash.acceptance import calibrated
+
+            contenders.insert(3, engine_contender(DFLASH_CALIBRATED, engine,
+                                                  num_draft_tokens=None, cost_model=cost_model,
+                                                  acceptance=calibrated(calibration)))
     return LoadedContenders(
         contenders=contenders, tokenize=engine.tokenize, device=str(engine.device),
         block_size=engine.block_size, step_costs_ms=costs_ms)

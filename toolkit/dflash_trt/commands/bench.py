@@ -142,11 +142,16 @@ def bench_command(url, protocol, model_name, prompt_spec, num_prompts, concurren
 @click.option("--adaptive", is_flag=True,
               help="Add `dflash-adaptive`: DFlash verifying per step only the drafts worth their "
                    "cost (step costs measured here first), next to `dflash` (the whole block).")
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --adaptive, also `dflash-calibrated`: the drafter's confidences mapped "
+              "to measured acceptance by the acceptance profile in FILE (an `eval --report` or "
+              "a build's reports/verify.json; measure it on other prompts than these).")
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench-results"), show_default=True)
 def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tokens, repeats,
                           chat, device, dtype, block_size, threads, profile,
-                          prompt_lookup_num_tokens, prompt_lookup, adaptive, output_dir):
+                          prompt_lookup_num_tokens, prompt_lookup, adaptive, calibration,
+                          output_dir):
     """DFlash vs plain decoding vs transformers generate (greedy, prompt lookup), no server."""
     import torch
 
@@ -156,10 +161,18 @@ def bench_offline_command(target, drafter, prompt_spec, num_prompts, max_new_tok
     if threads is not None:
         torch.set_num_threads(threads)
     prompts = load_prompts(prompt_spec, num_prompts)
+    points = None
+    if calibration is not None:
+        from dflash_trt.dflash.acceptance import read_calibration
+
+        if not adaptive:
+            raise UsageError("--calibration calibrates the adaptive contender; add --adaptive")
+        points = read_calibration(calibration)
     loaded = off.load_contenders(target, Path(drafter), device=device, dtype=dtype,
                                  block_size=block_size,
                                  prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                                 prompt_lookup=prompt_lookup, adaptive=adaptive)
+                                 prompt_lookup=prompt_lookup, adaptive=adaptive,
+                                 calibration=points)
     prompt_ids = [loaded.tokenize(p, chat) for p in prompts]
     with _progress() as progress:
         task = progress.add_task("bench-offline",

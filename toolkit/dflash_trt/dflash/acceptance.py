@@ -82,3 +82,55 @@ def plot_profile(profile: dict, path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+MIN_BIN_DRAFTS = 20  # a calibration bin with fewer drafts says too little to trust
+
+
+def calibration_points(profile: dict, min_drafts: int = MIN_BIN_DRAFTS) -> list[list[float]]:
+    """[[mean confidence, share accepted], ...] of the bins with at least `min_drafts` drafts."""
+    return [[c["mean_confidence"], c["rate"]] for c in profile.get("calibration", [])
+            if c["drafts"] >= min_drafts]
+
+
+def calibrated(points: Sequence[Sequence[float]]):
+    """Confidence -> probability of acceptance: piecewise linear through the points, flat
+    beyond them; None when there are none (use the raw confidence)."""
+    if not points:
+        return None
+    xs, ys = zip(*sorted((float(x), float(y)) for x, y in points), strict=True)
+
+    def acceptance(confidence: float) -> float:
+        if confidence <= xs[0]:
+            return ys[0]
+        for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:], strict=False):
+            if confidence <= x1:
+                return y0 + (y1 - y0) * (confidence - x0) / (x1 - x0) if x1 > x0 else y1
+        return ys[-1]
+
+    return acceptance
+
+
+def read_calibration(path) -> list[list[float]]:
+    """The calibration points of the acceptance profile in a JSON report (`eval --report`,
+    reports/verify.json) or an engine's acceptance_calibration.json."""
+    import json
+    from pathlib import Path
+
+    from dflash_trt.errors import UsageError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a JSON report ({exc})") from None
+    if "points" in data:
+        return [list(p) for p in data["points"]]
+    profile = data.get("acceptance_profile")
+    if not isinstance(profile, dict):
+        raise UsageError(f"{path}: no acceptance_profile; give an `eval --report` file or a "
+                         "build's reports/verify.json")
+    points = calibration_points(profile)
+    if not points:
+        raise UsageError(f"{path}: no calibration bin has {MIN_BIN_DRAFTS}+ drafts; measure on "
+                         "more prompts")
+    return points

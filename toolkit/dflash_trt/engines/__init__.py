@@ -27,8 +27,11 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
                               block_size=spec.block_size, max_seq_len=spec.max_seq_len,
                               prompt_lookup=spec.prompt_lookup)
     if spec.draft_length == "adaptive" and engine.drafter is not None and engine.block_size > 1:
-        from dflash_trt.engines.cost_model import cost_model_for
+        from dflash_trt.dflash.acceptance import calibrated, read_calibration
+        from dflash_trt.engines.cost_model import CALIBRATION_FILE, cost_model_for
 
         # The stored cost model when it was measured on this device kind, else measured now.
         engine.cost_model = cost_model_for(engine, engine_dir)
+        if (engine_dir / CALIBRATION_FILE).is_file():
+            engine.acceptance = calibrated(read_calibration(engine_dir / CALIBRATION_FILE))
     return engine

@@ -19,6 +19,9 @@ from dflash_trt.dflash.draft_length import StepCosts
 from dflash_trt.errors import DflashTrtError
 
 COST_MODEL_FILE = "cost_model.json"
+# The drafter's confidence -> measured acceptance (dflash.acceptance.calibration_points), written
+# by the compile stage from the verify stage's acceptance profile; the device does not matter.
+CALIBRATION_FILE = "acceptance_calibration.json"
 CONTEXT_TOKENS = 128  # a typical position for a verify step: the cost grows slowly with context
 REPEATS = 5
 

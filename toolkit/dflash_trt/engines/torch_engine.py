@@ -61,6 +61,9 @@ class TorchEngine:
         # Adaptive draft length (dflash.draft_length): set a cost model measured on this device
         # (engines.cost_model) and each drafter step verifies only the drafts worth their cost.
         self.cost_model = None
+        # Confidence -> P(accepted), calibrated on measured acceptance (dflash.acceptance); None:
+        # the chooser trusts the drafter's raw confidence.
+        self.acceptance = None
 
     @classmethod
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
@@ -155,7 +158,8 @@ class TorchEngine:
 
         from dflash_trt.dflash.draft_length import choose_draft_length
 
-        return partial(choose_draft_length, costs=self.cost_model.costs)
+        return partial(choose_draft_length, costs=self.cost_model.costs,
+                       acceptance=self.acceptance)
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
         """One StepOutput per target forward; closing the iterator early stops generation."""

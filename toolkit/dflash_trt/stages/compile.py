@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from dflash_trt.engines.cost_model import CALIBRATION_FILE
 from dflash_trt.engines.spec import EngineSpec, SamplingDefaults
 from dflash_trt.errors import DflashTrtError
 from dflash_trt.formats.cast import cast_checkpoint
@@ -86,9 +87,27 @@ def run_compile_stage(ctx) -> dict:
             "recipe" if engine.draft_len_schedule else "verify acceptance profile + roofline"
             if rates is not None else "none (no acceptance profile: fixed draft length)")
     else:
+        if spec.draft_length == "adaptive" and has_drafter:
+            info["acceptance_calibration"] = _write_calibration(ctx.stage_dir("verify"), ctx.out)
         with ctx.progress("compile: smoke generation", total=None):
             info["smoke"] = smoke_test(ctx.out, spec)
     return info
+
+
+def _write_calibration(reports: Path, engine_dir: Path) -> int:
+    """engine/acceptance_calibration.json from the verify stage's acceptance profile (the
+    drafter's confidence -> measured acceptance, for the adaptive draft length); the number of
+    calibration points written (0: none, the raw confidences are used)."""
+    from dflash_trt.dflash.acceptance import calibration_points
+
+    path = reports / VERIFY_JSON
+    profile = json.loads(path.read_text()).get("acceptance_profile") if path.is_file() else None
+    points = calibration_points(profile) if profile else []
+    if points:
+        (engine_dir / CALIBRATION_FILE).write_text(json.dumps(
+            {"points": points, "source": f"verify stage ({VERIFY_JSON})",
+             "drafter_steps": profile["drafter_steps"]}, indent=2) + "\n")
+    return len(points)
 
 
 def _position_rates(reports: Path) -> list[float] | None:
