@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_trt.cli import cli
@@ -118,3 +119,22 @@ def test_internal_errors_are_one_line_unless_debug(monkeypatch, tmp_path):
     assert "internal error: RuntimeError: kaput" in result.output and "--debug" in result.output
     result = run("--debug", "validate", "x.yaml")
     assert isinstance(result.exception, RuntimeError)
+
+
+@pytest.mark.parametrize(("capability", "flashinfer", "ok"), [
+    ((10, 0), "0.3.1", True), ((9, 0), "0.3.1", False), ((10, 0), None, False)])
+def test_doctor_on_a_gpu_checks_the_dflash_attention_backends(monkeypatch, capability,
+                                                             flashinfer, ok):
+    import torch
+
+    from dflash_trt import doctor
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "a GPU")
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: flashinfer if dist == "flashinfer-python"
+                        else None if dist == "flash-attn" else real(dist))
+    checks = {c.name: c for c in doctor._torch()}
+    assert checks["DFlash TRTLLM attention"].ok is ok
+    assert not checks["flash-attn (DFlash VANILLA attention)"].ok  # not installed here

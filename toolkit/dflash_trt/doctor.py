@@ -53,9 +53,13 @@ def _torch() -> list[Check]:
         checks.append(_package("flash-attn (DFlash VANILLA attention)", "flash-attn",
                                "pip install flash-attn (the NGC TensorRT-LLM container has it)",
                                required=False))
-        checks.append(_package("flashinfer (DFlash TRTLLM attention)", "flashinfer-python",
-                               "pip install flashinfer-python; TRTLLM attention also needs "
-                               "sm100/sm103", required=False))
+        flashinfer = _version("flashinfer-python")
+        trtllm_ok = flashinfer is not None and fp4
+        checks.append(Check("DFlash TRTLLM attention", trtllm_ok,
+                            f"FlashInfer {flashinfer or 'not installed'}, {sm}",
+                            "" if trtllm_ok else "needs FlashInfer (pip install flashinfer-python) "
+                            "and sm100/sm103; elsewhere recipes use VANILLA attention",
+                            required=False))
     else:
         from dflash_trt.stages.devices import cpu_bf16_flags
 

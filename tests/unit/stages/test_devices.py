@@ -34,3 +34,24 @@ def test_auto_on_a_gpu_and_unset_mean_the_target_dtype_and_explicit_wins(monkeyp
     assert devices.engine_dtype(_recipe("auto", hardware="b200", device="auto")) == "bfloat16"
     assert devices.engine_dtype(_recipe(None)) == "bfloat16"
     assert devices.engine_dtype(_recipe("float16")) == "float16"
+
+
+def test_loaded_bytes_counts_parameters_from_the_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float16)},
+              tmp_path / "model.safetensors")
+    assert devices.loaded_bytes(tmp_path, torch.bfloat16) == 17 * 2
+    assert devices.loaded_bytes(tmp_path, torch.float32) == 17 * 4
+
+
+def test_a_target_too_big_for_one_gpu_is_refused_with_the_numbers():
+    from dflash_trt.errors import DflashTrtError
+
+    gib = 2**30
+    devices.check_fits_one_gpu(100 * gib, "cpu", "quantize")  # the CPU is not checked
+    devices.check_fits_one_gpu(60 * gib, "cuda", "quantize", gpu_bytes=80 * gib)
+    with pytest.raises(DflashTrtError, match=r"^quantize: the target's weights \(240.0 GiB as "
+                       r"loaded\) do not fit one GPU \(139.0 GiB"):
+        devices.check_fits_one_gpu(240 * gib, "cuda", "quantize", gpu_bytes=139 * gib)

@@ -43,3 +43,4 @@ def test_plan_prints_the_estimate_after_resolve(tmp_path):
         (recipe.build_dir / "resolved" / name / "config.json").write_text(json.dumps(config))
     text = "\n".join(memory_lines(recipe))
     assert "drafter context K/V          5.17 GiB  outside kv_cache_free_gpu_memory_fraction" in text
+    assert "quantize loads the target in bfloat16, 15.0 GiB; verify 29.9 GiB" in text

@@ -67,3 +67,51 @@ def engine_dtype(recipe) -> str:
     if resolve_device(recipe.engine.device, recipe.hardware) != "cpu":
         return recipe.target.dtype
     return "bfloat16" if cpu_bf16_flags() else "float32"
+
+
+# Working room on top of the weights while a stage computes (activations, calibration batches,
+# the drafter, the allocator's slack): the weights may take at most this share of the GPU.
+ONE_GPU_WEIGHT_SHARE = 0.8
+
+
+def check_fits_one_gpu(checkpoint_bytes: int, device, stage: str, gpu_bytes: int | None = None):
+    """Quantize and verify place the target on one device: refuse, with the numbers, a target
+    whose weights would not fit the GPU (rather than fail with an out-of-memory error later).
+    `checkpoint_bytes` are the weights as the stage loads them; CPU stages are not checked."""
+    from dflash_trt.errors import DflashTrtError
+
+    if getattr(device, "type", device) != "cuda":
+        return
+    if gpu_bytes is None:
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    if checkpoint_bytes > ONE_GPU_WEIGHT_SHARE * gpu_bytes:
+        gib = 2**30
+        raise DflashTrtError(
+            f"{stage}: the target's weights ({checkpoint_bytes / gib:.1f} GiB as loaded) do not "
+            f"fit one GPU ({gpu_bytes / gib:.1f} GiB, {ONE_GPU_WEIGHT_SHARE:.0%} usable for "
+            f"weights); this stage places the target on one GPU (no multi-GPU placement yet): "
+            "run it on a GPU with more memory, or with engine.device: cpu (slow, same artifacts)")
+
+
+def loaded_bytes(checkpoint_dir, dtype) -> int:
+    """Bytes of a checkpoint's weights once loaded in `dtype`: its parameter count (from the
+    safetensors headers, no tensor read) x the dtype's size."""
+    import json
+    import struct
+    from pathlib import Path
+
+    import torch
+
+    count = 0
+    for path in Path(checkpoint_dir).glob("*.safetensors"):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in entry["shape"]:
+                    n *= d
+                count += n
+    return count * torch.empty((), dtype=dtype).element_size()

@@ -89,6 +89,8 @@ def memory_lines(recipe) -> list[str]:
         return ["GPU memory: estimated once the resolve stage has the configs "
                 "(`dflash-trt build RECIPE --only resolve`)"]
     m = gpu_memory_estimate(recipe, *configs)
+    linear, embed = parameter_counts(configs[0])
+    unquantized = (linear + embed) * _DTYPE_BYTES[recipe.target.dtype]
     where = ("outside kv_cache_free_gpu_memory_fraction (VANILLA attention)"
              if m["drafter_context_outside_kv_fraction"] else
              "inside the draft KV pool when it matches (TRTLLM attention)")
@@ -103,4 +105,9 @@ def memory_lines(recipe) -> list[str]:
         f"  captured hidden states    {m['captured_hidden_states'] / GIB:7.2f} GiB",
         f"  before the KV cache       {fixed / GIB:7.2f} GiB; the KV cache then takes "
         f"{recipe.engine.kv_cache_free_gpu_memory_fraction:g} of what is free",
+        f"Build stages on one GPU (no multi-GPU placement): quantize loads the target in "
+        f"{recipe.target.dtype}, {unquantized / GIB:.1f} GiB; verify "
+        f"{(2 if recipe.quantize.target.format != 'none' else 1) * unquantized / GIB:.1f} GiB "
+        "(the quantized target, dequantized, beside the reference); each refuses a GPU where the "
+        "weights take over 80%",
     ]

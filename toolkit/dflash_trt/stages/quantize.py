@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.errors import DflashTrtError, UsageError
-from dflash_trt.stages.devices import torch_device
+from dflash_trt.stages.devices import check_fits_one_gpu, loaded_bytes, torch_device
 from dflash_trt.stages.files import copy_tree, dir_bytes
 
 FORMAT_CONFIGS = {  # recipe format -> ModelOpt preset
@@ -375,6 +375,7 @@ def _quantize_and_export(ctx, src_target: Path, src_drafter: Path, timings: dict
     tokenizer = AutoTokenizer.from_pretrained(src_target)
     calib = build_calibration(tokenizer, list(cal.data), cal.calib_size, cal.seq_len,
                               chat_template=recipe.target.chat_template)
+    check_fits_one_gpu(loaded_bytes(src_target, work_dtype), device, "quantize")
     target = AutoModelForCausalLM.from_pretrained(src_target, dtype=work_dtype).to(device).eval()
     timings["load"] = time.monotonic() - t0
 

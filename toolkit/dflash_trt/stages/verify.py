@@ -283,9 +283,14 @@ def verdict(engine, prompt_ids: list[int], spec: list[int], plain: list[int]) ->
 def run_verify_stage(ctx) -> dict:
     """Pipeline stage `verify`: measure, write reports, fail on a broken gate."""
     from dflash_trt.engines.torch_engine import TorchEngine
-    from dflash_trt.formats.load import load_target
+    from dflash_trt.formats.load import load_target, torch_dtype
     from dflash_trt.prompts import load_prompts
-    from dflash_trt.stages.devices import engine_dtype, torch_device
+    from dflash_trt.stages.devices import (
+        check_fits_one_gpu,
+        engine_dtype,
+        loaded_bytes,
+        torch_device,
+    )
 
     recipe, v = ctx.recipe, ctx.recipe.verify
     quant_dir, base_dir = ctx.stage_dir("quantize"), ctx.stage_dir("resolve")
@@ -299,6 +304,11 @@ def run_verify_stage(ctx) -> dict:
     load = dict(device=device.type, dtype=dtype, block_size=recipe.drafter.block_size,
                 max_seq_len=recipe.engine.max_seq_len)
 
+    # The quantized target (dequantized weights) and, for the quantization error, the reference
+    # are on the device together.
+    copies = 2 if recipe.quantize.target.format != "none" else 1
+    check_fits_one_gpu(copies * loaded_bytes(base_dir / "target", torch_dtype(dtype)), device,
+                       "verify")
     engine, lossless_dtype = _load_quantized_engine(TorchEngine, quant_dir, recipe, load)
     prompt_ids = [engine.tokenize(p, chat=recipe.target.chat_template,
                                   parse_special_tokens=recipe.target.parse_special_tokens)
