@@ -143,3 +143,18 @@ def test_jsonl_rows_must_be_objects_for_prompts_and_training_data(tmp_path):
         load_prompts(str(f))
     with pytest.raises(UsageError, match=r"rows.jsonl:3: expected a JSON object, got list"):
         corpus.load_samples([str(f)])
+
+
+def test_a_word_is_encoded_as_inside_text_without_a_bos():
+    from dflash_fixtures import byte_tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from dflash_trt.prompts import encode_word
+
+    tok = byte_tokenizer()
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = TemplateProcessing(  # a tokenizer that adds a BOS, as Llama's
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    assert tok("ab")["input_ids"][0] == bos
+    assert encode_word(tok, "ab") == tok("ab")["input_ids"][1:]
+    assert bos not in encode_word(tok, "x<|im_start|>")  # written control tokens are text

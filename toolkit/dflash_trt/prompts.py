@@ -65,6 +65,12 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, *,
             + _encode(tokenizer, suffix, add_special_tokens=False, split=False))
 
 
+def encode_word(tokenizer, word: str) -> list[int]:
+    """A word as it appears inside text (a stop or bad word): no BOS or other added special
+    tokens, and control tokens written in it encoded as the characters they spell."""
+    return _encode(tokenizer, word, add_special_tokens=False, split=True)
+
+
 def _encode_unless_forged(tokenizer, text: str, start: int, end: int) -> list[int] | None:
     """The whole text's ids, or None when a control token comes from text[start:end] (or the
     tokenizer cannot say where its tokens come from)."""

@@ -71,7 +71,15 @@ def test_rowwise_refuses_a_batch_it_cannot_mask():
     model = _half_target()
     cache = DynamicCache(config=model.config)
     ids = torch.randint(0, 127, (2, 4))
-    with torch.no_grad():
+    with torch.no_grad(), pytest.raises(ValueError, match="batch 1"):  # no mask would pad it
         model.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        with pytest.raises(ValueError, match="batch 1"):
-            model.model(input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
+
+
+def test_sliding_window_models_keep_sdpa():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    assert attention.implementation_for(torch.bfloat16, LlamaConfig()) == attention.NAME
+    assert attention.implementation_for(torch.bfloat16, MistralConfig()) == "sdpa"  # window 4096
+    assert attention.implementation_for(torch.bfloat16, Qwen2Config()) == attention.NAME
+    windowed = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert attention.implementation_for(torch.bfloat16, windowed) == "sdpa"

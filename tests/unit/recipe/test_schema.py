@@ -169,6 +169,14 @@ def test_what_tensorrt_llm_cannot_serve_is_refused_at_its_field(tmp_path, extra,
     assert any(f": {where}: " in f and words in f for f in findings), findings
 
 
+@pytest.mark.parametrize("engine_dtype", ["", "  dtype: auto\n"])
+def test_a_float32_target_needs_an_explicit_half_dtype_for_tensorrt_llm(tmp_path, engine_dtype):
+    text = FLEET.replace("  source: hf:org/model\n", "  source: hf:org/model\n  dtype: float32\n")
+    findings = errors_of(write(tmp_path, text + engine_dtype))
+    assert any(": engine.dtype: " in f and "would serve float32" in f for f in findings), findings
+    load_recipe(write(tmp_path, text + "  dtype: bfloat16\n"))  # explicit bf16 is fine
+
+
 def test_a_valid_schedule_loads_and_the_torch_engine_refuses_one(tmp_path):
     recipe = load_recipe(write(tmp_path, FLEET + "  draft_len_schedule: {1: 3, 8: 1, 32: 0}\n"))
     assert recipe.engine.draft_len_schedule == {1: 3, 8: 1, 32: 0}

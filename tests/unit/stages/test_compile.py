@@ -157,3 +157,19 @@ def test_engine_yaml_with_unknown_keys_is_refused(tmp_path):
         EngineSpec.read(tmp_path)
     with pytest.raises(DflashTrtError, match="missing"):
         EngineSpec.read(tmp_path / "nowhere")
+
+
+def test_the_fleet_schedule_reads_the_full_vocabulary_profile(tmp_path):
+    import json
+
+    from dflash_trt.stages.compile import _position_rates
+
+    def profile(rate):
+        return {"drafter_steps": 9, "position_acceptance": [{"position": 1, "rate": rate}]}
+
+    assert _position_rates(tmp_path) is None
+    (tmp_path / "verify.json").write_text(json.dumps({"acceptance_profile": profile(0.6)}))
+    assert _position_rates(tmp_path) == [0.6]
+    (tmp_path / "verify.json").write_text(json.dumps(
+        {"acceptance_profile": profile(0.6), "full_vocab_acceptance_profile": profile(0.2)}))
+    assert _position_rates(tmp_path) == [0.2]  # as TensorRT-LLM drafts

@@ -16,6 +16,8 @@ def test_cpu_bf16_flags_reads_the_flags_line():
     assert devices.cpu_bf16_flags(CPUINFO.format(extra="amx_bf16 avx512_bf16")) == [
         "avx512_bf16", "amx_bf16"]
     assert devices.cpu_bf16_flags(CPUINFO.format(extra="avx512f")) == []
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"  # Graviton3, Grace
+    assert devices.cpu_bf16_flags(arm) == ["bf16"]
 
 
 def _recipe(dtype, hardware="cpu", device="cpu"):

@@ -213,3 +213,21 @@ def test_bytecode_caches_written_by_serving_do_not_make_a_stage_stale(tmp_path):
     cache.mkdir()
     (cache / "model.cpython-311.pyc").write_bytes(b"\0")
     assert plan(r, stages=stages())[1] == ("second", None)
+
+
+def test_a_dotted_section_hashes_only_that_field(tmp_path):
+    dotted = (StageSpec("first", "one", ("drafter.block_size",), (), first),)
+    run_pipeline(make_recipe(tmp_path), stages=dotted)
+    r = validate_recipe({"name": "t", "output_dir": str(tmp_path / "build"),
+                         "target": {"source": "hf:org/model"},
+                         "drafter": {"block_size": 4, "init": {"num_layers": 2}}})
+    assert plan(r, stages=dotted) == [("first", None)]  # another drafter field: up to date
+    assert plan(make_recipe(tmp_path, block_size=8), stages=dotted)[0][1] is not None
+
+
+def test_shipped_stages_rerun_verify_and_compile_on_what_they_read():
+    from dflash_trt.stages.pipeline import STAGES, stage_by_name
+
+    verify, compile_ = stage_by_name("verify", STAGES), stage_by_name("compile", STAGES)
+    assert {"engine.backend", "engine.dtype", "engine.device"} <= set(verify.sections)
+    assert "verify" in compile_.depends  # the calibration and the draft_len_schedule

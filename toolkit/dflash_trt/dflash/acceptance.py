@@ -123,6 +123,8 @@ def read_calibration(path) -> list[list[float]]:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path}: not a JSON report ({exc})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object (a report), got {type(data).__name__}")
     if "points" in data:
         return [list(p) for p in data["points"]]
     profile = data.get("acceptance_profile")

@@ -10,7 +10,8 @@ tie that flips the argmax (issue 16: 6 of 12 bf16 outputs differed with sdpa, 0 
 So, after the prompt, each query row attends to exactly the keys a decoding step at its position
 would see, through the same kernel call with the same shapes: one call per row. The prompt's own
 forward (no cache yet) is the same in plain and speculative decoding and runs as plain sdpa.
-Batch 1 without padding only: the engine passes no attention mask, and none is built for it.
+Batch 1 without padding only: the engine passes no attention mask, none is built for this
+implementation, and a batch is refused. Not for sliding-window models (implementation_for).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    rows, past = query.shape[2], key.shape[2] - query.shape[2]
-    if past == 0:  # the prompt's forward: causal from the first key
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError(f"{NAME} attention serves one unpadded sequence (batch 1, no mask)")
+    rows, past = query.shape[2], key.shape[2] - query.shape[2]
+    if past == 0:  # the prompt's forward: causal from the first key
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     if rows > MAX_ROWS:  # row i sees keys up to past + i
         causal = torch.ones(rows, past + rows, dtype=torch.bool, device=query.device).tril(past)
@@ -53,9 +54,23 @@ def register() -> str:
     return NAME
 
 
-def implementation_for(dtype) -> str:
-    """The attention the target runs in `dtype`: row-wise in half precision, sdpa otherwise
-    (float32 and float64 round finely enough that their verify forwards agree with decoding)."""
+def implementation_for(dtype, config=None) -> str:
+    """The attention the target runs in `dtype`: row-wise in half precision, sdpa otherwise.
+
+    float32 verify forwards differ from decoding steps in the last bits too (the linear layers'
+    kernels depend on the row count), which flips a greedy token only at an exact tie: eval and
+    verify count any float32 divergence as a mismatch, and none was seen. Models with sliding
+    window attention keep sdpa: the row-wise path attends to the whole cache.
+    """
     import torch
 
+    if config is not None and _sliding(config):
+        return "sdpa"
     return register() if dtype in (torch.bfloat16, torch.float16) else "sdpa"
+
+
+def _sliding(config) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        return True
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True)

@@ -355,7 +355,7 @@ class TrtllmEngine:
         self, llm: Any, tokenizer: Any, files: EngineFiles, bridge: AsyncBridge, trtllm: Any
     ) -> None:
         self._llm = llm
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._bridge = bridge
         self._trtllm = trtllm  # the imported tensorrt_llm module (for its SamplingParams)
         self.max_seq_len = files.max_seq_len
@@ -383,7 +383,7 @@ class TrtllmEngine:
         """Token ids of `prompt` (see prompts.encode_prompt)."""
         from dflash_trt.prompts import encode_prompt
 
-        return encode_prompt(self._tokenizer, prompt, chat,
+        return encode_prompt(self.tokenizer, prompt, chat,
                              parse_special_tokens=parse_special_tokens)
 
     async def astream(

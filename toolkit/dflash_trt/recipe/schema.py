@@ -214,8 +214,10 @@ class EngineSection(Section):
     dtype: DType | Literal["auto"] | None = Field(
         None, description="Compute dtype; default: the target's dtype. auto: on a CPU, bfloat16 "
         "where it has bf16 instructions (avx512_bf16, amx_bf16; `doctor` says), else float32; on "
-        "a GPU, the target's dtype. Lossless in every dtype (bf16 verifies with row-wise "
-        "attention, dflash/attention.py).")
+        "a GPU, the target's dtype. In bf16 the torch engine verifies with row-wise attention "
+        "(dflash/attention.py), token-identical to plain decoding where the linear layers are "
+        "row-invariant (measured on CPU); eval and verify classify any divergence as a near-tie "
+        "or a mismatch.")
     max_batch_size: int = Field(1, ge=1, le=4096, description="Requests batched per step.")
     max_seq_len: int = Field(4096, ge=16, description="Prompt plus generated tokens.")
     max_num_tokens: int = Field(8192, ge=16, description="Tokens per forward across the batch.")
@@ -341,10 +343,12 @@ def _check_hardware(r: Recipe) -> None:
             ("quantize", "drafter", "format"), "TensorRT-LLM's DFlash drafter loads plain "
             "weights only (modeling_dflash builds fc and slices qkv_proj from raw tensors; no "
             "ModelOpt scales); use format: none"))
-    if trtllm and r.engine.dtype == "float32":
+    # unset and auto both mean the target's dtype on a GPU (stages.devices.engine_dtype)
+    if trtllm and (r.engine.dtype if r.engine.dtype not in (None, "auto")
+                   else r.target.dtype) == "float32":
         errors.append(CrossFieldError(
             ("engine", "dtype"), "TensorRT-LLM's DFlash attention takes bfloat16 or float16 "
-            "only; use dtype: bfloat16"))
+            "only (here the engine would serve float32); set engine.dtype: bfloat16"))
     if trtllm and r.triton.instance_count > 1:
         errors.append(CrossFieldError(
             ("triton", "instance_count"), "several tensorrt_llm instances would each claim every "

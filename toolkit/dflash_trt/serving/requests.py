@@ -146,7 +146,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], *, spec: EngineSpec,
                   decoupled: bool,
                   tokenize_word: Callable[[str], list[int]] | None = None) -> ServeRequest:
     """Validate the Triton inputs of one request (batch dimension already removed or 1).
-    tokenize_word: a bad word's token ids (no template, no special tokens); default tokenize."""
+    tokenize_word: a bad word's token ids as inside text (prompts.encode_word: no BOS, no
+    template); default tokenize."""
     tokenize_word = tokenize_word or tokenize
     # 1. the prompt
     array = inputs.get("text_input")

@@ -111,11 +111,14 @@ def _write_calibration(reports: Path, engine_dir: Path) -> int:
 
 
 def _position_rates(reports: Path) -> list[float] | None:
-    """P(draft i accepted | reached) from the verify report, None when there is none."""
+    """P(draft i accepted | reached) from the verify report, None when there is none: drafting
+    the full vocabulary where verify measured it, as TensorRT-LLM drafts (it ignores
+    draft_vocab.json)."""
     path = reports / VERIFY_JSON
     if not path.is_file():
         return None
-    profile = json.loads(path.read_text()).get("acceptance_profile") or {}
+    report = json.loads(path.read_text())
+    profile = report.get("full_vocab_acceptance_profile") or report.get("acceptance_profile") or {}
     rates = [p["rate"] for p in profile.get("position_acceptance", [])]
     return rates if profile.get("drafter_steps") else None
 

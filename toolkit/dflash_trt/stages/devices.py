@@ -37,7 +37,7 @@ def torch_device(recipe):
 # CPU flags with bfloat16 dot-product instructions; without them a bf16 matmul over more than one
 # row is emulated and slower than float32 (an 8-token forward of SmolLM2-135M on an AVX2-only
 # EPYC: 394 ms in bf16, 203 ms in fp32; docs/benchmarks.md).
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags; Arm's "Features" say bf16
 
 
 def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
@@ -50,7 +50,7 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
             return []
     flags = set()
     for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             flags.update(line.partition(":")[2].split())
     return [f for f in BF16_CPU_FLAGS if f in flags]
 
@@ -58,7 +58,8 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
 def engine_dtype(recipe) -> str:
     """The compute dtype the engine serves in: engine.dtype, where `auto` means bfloat16 on a
     CPU with native bf16 instructions and float32 on one without; on a GPU the target's dtype.
-    Unset means the target's dtype."""
+    Unset means the target's dtype. `auto` is decided on the machine that builds (compile writes
+    it into engine.yaml): build where you serve, as the CPU default does."""
     dtype = recipe.engine.dtype
     if dtype is None:
         return recipe.target.dtype

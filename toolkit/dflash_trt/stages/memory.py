@@ -23,7 +23,10 @@ from pathlib import Path
 
 GIB = 2**30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FORMAT_BYTES = {"nvfp4": 0.5 + 1 / 16, "w4a16_nvfp4": 0.5 + 1 / 16, "fp8": 1.0}
+# bytes per quantized parameter: 4-bit values plus an fp8 scale per 16 (nvfp4) or an fp16 scale
+# per 128 (int4_awq); fp8 one byte
+_FORMAT_BYTES = {"nvfp4": 0.5 + 1 / 16, "w4a16_nvfp4": 0.5 + 1 / 16, "int4_awq": 0.5 + 2 / 128,
+                 "fp8": 1.0}
 
 
 def _text_config(config: dict) -> dict:
@@ -49,9 +52,9 @@ def parameter_counts(config: dict) -> tuple[int, int]:
 
 def gpu_memory_estimate(recipe, target_config: dict, drafter_config: dict) -> dict:
     """Bytes per GPU: target and drafter weights, the DFlash arena, the hidden-state capture."""
-    engine, dtype = recipe.engine, recipe.engine.dtype or recipe.target.dtype
-    dtype = "bfloat16" if dtype == "auto" else dtype
-    half = _DTYPE_BYTES[dtype]
+    from dflash_trt.stages.devices import engine_dtype
+
+    engine, half = recipe.engine, _DTYPE_BYTES[engine_dtype(recipe)]
     linear, embed = parameter_counts(target_config)
     per_param = _FORMAT_BYTES.get(recipe.quantize.target.format, half)
     target = (linear * per_param + embed * half) / engine.tensor_parallel_size

@@ -37,7 +37,7 @@ class StageSpec:
 
     name: str
     output: str  # directory name under build/<name>/
-    sections: tuple[str, ...]  # recipe sections that feed its input hash
+    sections: tuple[str, ...]  # recipe sections (or "section.field") that feed its input hash
     depends: tuple[str, ...]  # upstream stages whose outputs it reads
     impl: str | Callable[[StageContext], dict | None]  # "module:function" or a callable
     tools: tuple[str, ...] = ()  # distributions whose versions feed the input hash
@@ -49,9 +49,15 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("quantize", "quantized", ("quantize",), ("resolve",),
               "dflash_trt.stages.quantize:run_quantize_stage",
               ("torch", "transformers", "nvidia-modelopt")),
-    StageSpec("verify", "reports", ("verify", "target"), ("quantize",),
+    # verify also reads how the engine will serve: the dtype and device it checks in, and the
+    # backend (tensorrt_llm gates on full-vocabulary acceptance)
+    StageSpec("verify", "reports", ("verify", "target", "hardware", "engine.backend",
+                                    "engine.device", "engine.dtype", "engine.max_seq_len"),
+              ("quantize",),
               "dflash_trt.stages.verify:run_verify_stage", ("torch", "transformers")),
-    StageSpec("compile", "engine", ("engine", "hardware", "drafter", "triton"), ("quantize",),
+    # compile reads the verify report: the acceptance profile (calibration, draft_len_schedule)
+    StageSpec("compile", "engine", ("engine", "hardware", "drafter", "triton"),
+              ("quantize", "verify"),
               "dflash_trt.stages.compile:run_compile_stage", ("torch", "transformers")),
     StageSpec("emit", "triton_repo", ("triton", "hardware"), ("compile",),
               "dflash_trt.stages.emit:run_emit_stage", ("tritonclient",)),
@@ -150,9 +156,17 @@ def _tool_versions(tools: Sequence[str]) -> dict[str, str | None]:
     return versions
 
 
+def _field(dump: dict, name: str):
+    """dump["a"]["b"] for "a.b"."""
+    for key in name.split("."):
+        dump = dump[key]
+    return dump
+
+
 def input_hashes(spec: StageSpec, recipe: Recipe, manifest: dict) -> dict[str, str]:
     """The parts of a stage's input hash, kept apart so `plan` can say which one changed."""
-    sections = {s: recipe.model_dump(mode="json")[s] for s in spec.sections}
+    dump = recipe.model_dump(mode="json")
+    sections = {s: _field(dump, s) for s in spec.sections}
     files = {str(p): fingerprint_tree(p) for p in _local_paths(sections)}
     upstream = {d: manifest.get("stages", {}).get(d, {}).get("output_hash") for d in spec.depends}
     return {

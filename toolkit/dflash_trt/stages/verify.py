@@ -62,6 +62,7 @@ class VerifyReport:
     # The quantized pair drafting over the whole vocabulary, as TensorRT-LLM drafts (it ignores
     # draft_vocab.json); None when the drafter has no draft vocabulary (then it is the same run).
     full_vocab_acceptance_lengths: list[int] | None = None
+    full_vocab_acceptance_profile: dict | None = None  # the same run's profile (TensorRT-LLM's)
     gate_on_full_vocab: bool = False  # tensorrt_llm builds: min_acceptance_length gates this one
     failures: list[str] = field(default_factory=list)
 
@@ -262,13 +263,15 @@ def _load_quantized_engine(engine_cls, quant_dir: Path, recipe, load: dict):
     return engine_cls.load(quant_dir / "target", quant_dir / "drafter", **load), load["dtype"]
 
 
-def full_vocab_lengths(engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list[int]:
+def full_vocab_lengths(engine, prompt_ids: list[list[int]], max_new_tokens: int,
+                       drafter_steps: list | None = None) -> list[int]:
     """Acceptance lengths with the drafter drafting over the whole vocabulary (its draft
-    vocabulary set aside for the run, then restored)."""
+    vocabulary set aside for the run, then restored); drafter_steps as in run_prompts."""
     vocab = engine.drafter.draft_vocab
     engine.drafter.set_draft_vocab(None)
     try:
-        runs = run_prompts(engine, prompt_ids, max_new_tokens, plain=False)
+        runs = run_prompts(engine, prompt_ids, max_new_tokens, plain=False,
+                           drafter_steps=drafter_steps)
     finally:
         engine.drafter.draft_vocab = vocab
     return [n for _, lengths in runs for n in lengths]
@@ -322,10 +325,11 @@ def run_verify_stage(ctx) -> dict:
         task.advance()
     verdicts = [verdict(engine, ids, s_tok, p_tok)
                 for ids, (s_tok, _), (p_tok, _) in zip(prompt_ids, spec, plain, strict=True)]
-    full_vocab = None
+    full_vocab, full_vocab_steps = None, []
     if engine.drafter is not None and engine.drafter.draft_vocab is not None:
         with ctx.progress("verify: quantized, drafting the full vocabulary", total=1) as task:
-            full_vocab = full_vocab_lengths(engine, prompt_ids, v.max_new_tokens)
+            full_vocab = full_vocab_lengths(engine, prompt_ids, v.max_new_tokens,
+                                            drafter_steps=full_vocab_steps)
             task.advance()
     del engine
     if quantized_build:
@@ -344,6 +348,8 @@ def run_verify_stage(ctx) -> dict:
                           block_size=recipe.drafter.block_size, lossless_dtype=lossless_dtype,
                           acceptance_profile=acceptance_profile(drafter_steps),
                           full_vocab_acceptance_lengths=full_vocab,
+                          full_vocab_acceptance_profile=(acceptance_profile(full_vocab_steps)
+                                                         if full_vocab is not None else None),
                           gate_on_full_vocab=recipe.engine.backend == "tensorrt_llm")
     for ids, out, (_, s_acc), (_, b_acc) in zip(prompt_ids, verdicts, spec, base, strict=True):
         report.results.append(PromptResult(len(ids), out["status"] != "mismatch",

@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 from dflash_trt.engines import load_engine
 from dflash_trt.engines.spec import EngineSpec
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.prompts import encode_word
 from dflash_trt.serving.requests import (
     INPUTS,
     UNBATCHED_OUTPUTS,
@@ -131,7 +132,7 @@ class TritonPythonModel:
             tokenize=lambda text: self.engine.tokenize(
                 text, chat=self.spec.chat_template,
                 parse_special_tokens=self.spec.parse_special_tokens),
-            tokenize_word=lambda word: self.engine.tokenize(word))
+            tokenize_word=lambda word: encode_word(self.engine.tokenizer, word))
 
     def _response(self, text, token_ids, totals):
         tensors = []
