@@ -304,7 +304,7 @@ def profile(engine_dir, device, no_write, as_json) -> None:
     if spec.backend != "torch" or spec.drafter is None or spec.block_size < 2:
         raise UsageError(f"{engine_dir}: profile measures a torch engine with a drafter (this is "
                          f"backend {spec.backend}, block_size {spec.block_size}); TensorRT-LLM "
-                         "engines draft a fixed length")
+                         "engines choose the draft length by batch size (draft_len_schedule)")
     engine = TorchEngine.load(spec.checkpoint(engine_dir, "target"),
                               spec.checkpoint(engine_dir, "drafter"),
                               device=device or spec.device, dtype=spec.dtype,

@@ -60,10 +60,10 @@ def sampling_kwargs(params: SamplingParams, max_draft_len: int) -> dict[str, Any
     """Map our SamplingParams to `tensorrt_llm.SamplingParams(**kwargs)`.
 
     Greedy (temperature 0) leaves temperature/top_k/top_p unset: TensorRT-LLM's documented default
-    is greedy. TensorRT-LLM fixes the draft length per engine, so a per-request `num_draft_tokens`
-    below `max_draft_len` (including 0, the no-speculation baseline) cannot be honoured and is
-    refused rather than silently ignored (TensorRT-LLM chooses the draft length per batch size,
-    speculative_config.draft_len_schedule, never per request).
+    is greedy. TensorRT-LLM sets the draft length for the whole batch (by batch size,
+    speculative_config.draft_len_schedule), never per request, so a per-request
+    `num_draft_tokens` below `max_draft_len` (including 0, the no-speculation baseline) cannot be
+    honoured and is refused rather than silently ignored.
     """
     if params.max_new_tokens < 1:
         raise DflashTrtError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}")
