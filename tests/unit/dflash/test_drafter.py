@@ -11,9 +11,8 @@ from dflash_fixtures import tiny_drafter, tiny_target
 from dflash_trt.dflash.drafter import (
     DFlashDraftModel,
     build_target_layer_ids,
-    choose_mask_token_id,
-    drafter_config_for_target,
 )
+from dflash_trt.dflash.drafter_init import choose_mask_token_id, drafter_config_for_target
 from dflash_trt.errors import DflashTrtError
 
 REFERENCE_LAYER_KEYS = [

@@ -58,6 +58,26 @@ def test_round_trip_and_reuse_on_the_same_device(engine, tmp_path):
     assert cost_model_for(engine, tmp_path) == model  # same device kind and dtype: trusted
 
 
+def test_a_batching_engine_measures_its_batch_sizes_and_interpolates(engine, tmp_path):
+    from dflash_trt.engines.cost_model import batch_sizes
+
+    assert batch_sizes(1) == [] and batch_sizes(4) == [2, 4] and batch_sizes(6) == [2, 4, 6]
+    single = measure(engine, context_tokens=16, repeats=2)
+    single.write(tmp_path)
+    engine.max_batch_size = 4
+    try:
+        model = cost_model_for(engine, tmp_path)  # the stored one has no batches: measured again
+        assert sorted(model.batches) == [2, 4]
+        assert all(len(c.verify_s) == 4 and min(c.verify_s) > 0 for c in model.batches.values())
+        model.write(tmp_path)
+        assert CostModel.read(tmp_path) == model and cost_model_for(engine, tmp_path) == model
+        two, four = model.step_s(2, 3), model.step_s(4, 3)
+        assert model.step_s(3, 3) == pytest.approx((two + four) / 2)
+        assert model.step_s(8, 3) == pytest.approx(2 * four)
+    finally:
+        engine.max_batch_size = 1
+
+
 def test_a_cost_model_from_another_device_is_measured_again(engine, tmp_path):
     model = measure(engine, context_tokens=16, repeats=2)
     model.write(tmp_path)

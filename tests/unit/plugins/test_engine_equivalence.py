@@ -122,7 +122,7 @@ def test_generation_is_identical_with_and_without_ops(models, block_size):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torch_engine_outputs_are_identical_with_and_without_ops(tmp_path, family):
-    from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.dflash.drafter_init import init_drafter_for_target
     from dflash_trt.engines.torch_engine import TorchEngine
 
     target_dir = write_tiny_checkpoint(tmp_path / "target", family)
@@ -153,7 +153,9 @@ def test_torch_engine_outputs_are_identical_with_and_without_ops(tmp_path, famil
 def _bias_drafter(model):
     config = tiny_drafter(model).config
     config.attention_bias = True
-    return drafter_module.init_drafter(config, seed=1)
+    from dflash_trt.dflash.drafter_init import init_drafter
+
+    return init_drafter(config, seed=1)
 
 
 @torch.inference_mode()

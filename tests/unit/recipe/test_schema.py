@@ -236,3 +236,13 @@ def test_missing_file():
     with pytest.raises(RecipeError) as info:
         load_recipe("/nonexistent/recipe.yaml")
     assert "file not found" in info.value.message
+
+
+def test_the_torch_engine_batches_in_float32_only(tmp_path):
+    """bf16 verifies with row-wise attention (batch 1): batching it is refused at its field;
+    auto and float32 batch (auto picks float32 then: stages.devices.engine_dtype)."""
+    findings = errors_of(write(tmp_path, GOOD + "engine:\n  max_batch_size: 4\n"))
+    assert any(": engine.max_batch_size: " in f and "float32 only" in f for f in findings), findings
+    for dtype in ("auto", "float32"):
+        load_recipe(write(tmp_path, GOOD + f"engine:\n  max_batch_size: 4\n  dtype: {dtype}\n"))
+    load_recipe(write(tmp_path, GOOD + "engine:\n  max_batch_size: 1\n"))

@@ -20,15 +20,21 @@ def test_cpu_bf16_flags_reads_the_flags_line():
     assert devices.cpu_bf16_flags(arm) == ["bf16"]
 
 
-def _recipe(dtype, hardware="cpu", device="cpu"):
+def _recipe(dtype, hardware="cpu", device="cpu", max_batch_size=1):
     return SimpleNamespace(hardware=hardware, target=SimpleNamespace(dtype="bfloat16"),
-                           engine=SimpleNamespace(dtype=dtype, device=device))
+                           engine=SimpleNamespace(dtype=dtype, device=device, backend="torch",
+                                                  max_batch_size=max_batch_size))
 
 
 @pytest.mark.parametrize(("flags", "want"), [(["avx512_bf16"], "bfloat16"), ([], "float32")])
 def test_auto_on_cpu_is_bf16_only_with_bf16_instructions(monkeypatch, flags, want):
     monkeypatch.setattr(devices, "cpu_bf16_flags", lambda: flags)
     assert devices.engine_dtype(_recipe("auto")) == want
+
+
+def test_auto_is_float32_when_the_torch_engine_batches(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    assert devices.engine_dtype(_recipe("auto", max_batch_size=8)) == "float32"
 
 
 def test_auto_on_a_gpu_and_unset_mean_the_target_dtype_and_explicit_wins(monkeypatch):

@@ -103,7 +103,7 @@ def run_prompt(engine, prompt_ids, params, on_text=None) -> dict:
 def init_drafter(target: str, output: Path, layers: int, block_size: int,
                  target_layer_ids: list[int] | None, mask_token_id: int | None, seed: int) -> None:
     """Write a randomly initialised (untrained) DFlash drafter shaped for TARGET."""
-    from dflash_trt.dflash.drafter import init_drafter_for_target
+    from dflash_trt.dflash.drafter_init import init_drafter_for_target
     from dflash_trt.stages.resolve import resolve_source
 
     if output.exists() and any(output.iterdir()):
@@ -308,8 +308,9 @@ def profile(engine_dir, device, no_write, as_json) -> None:
     engine = TorchEngine.load(spec.checkpoint(engine_dir, "target"),
                               spec.checkpoint(engine_dir, "drafter"),
                               device=device or spec.device, dtype=spec.dtype,
-                              block_size=spec.block_size, max_seq_len=spec.max_seq_len)
-    model = measure(engine)
+                              block_size=spec.block_size, max_seq_len=spec.max_seq_len,
+                              max_batch_size=spec.max_batch_size)
+    model = measure(engine)  # batch 1, and the batch sizes a batching engine serves
     if as_json:
         click.echo(json.dumps(asdict(model), indent=2))
     else:
@@ -319,6 +320,10 @@ def profile(engine_dir, device, no_write, as_json) -> None:
             click.echo(f"  target forward, {n} new token{'s' if n > 1 else ' '}  "
                        f"{1000 * seconds:8.1f} ms")
         click.echo(f"  drafter block pass          {1000 * model.costs.draft_s:8.1f} ms")
+        for rows, costs in sorted(model.batches.items()):
+            widths = " ".join(f"{1000 * s:.0f}" for s in costs.verify_s)
+            click.echo(f"  {rows} rows: forward over 1..{len(costs.verify_s)} new tokens each "
+                       f"{widths} ms; drafter {1000 * costs.draft_s:.0f} ms")
     if not no_write:
         model.write(engine_dir)
         click.echo(f"wrote {engine_dir / COST_MODEL_FILE}", err=True)

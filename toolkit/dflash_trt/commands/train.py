@@ -158,7 +158,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_trt.dflash.drafter import DFlashDraftModel, init_drafter_for_target
+    from dflash_trt.dflash.drafter import DFlashDraftModel
+    from dflash_trt.dflash.drafter_init import init_drafter_for_target
     from dflash_trt.dflash.target import HFTarget
     from dflash_trt.stages.resolve import resolve_source
     from dflash_trt.training import corpus

@@ -64,12 +64,12 @@ def implementation_for(dtype, config=None) -> str:
     """
     import torch
 
-    if config is not None and _sliding(config):
+    if config is not None and sliding_window(config):
         return "sdpa"
     return register() if dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
-def _sliding(config) -> bool:
+def sliding_window(config) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
         return True

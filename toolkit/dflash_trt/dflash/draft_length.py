@@ -59,6 +59,20 @@ def expected_tokens(position_rates: Sequence[float], k: int) -> float:
     return expected
 
 
+def drafting_pays(position_rates: Sequence[float], rows: int, drafting: int,
+                  verify_s: Callable[[int, int], float], draft_s: Callable[[int], float],
+                  max_drafts: int) -> bool:
+    """Whether running the drafter for `drafting` of a batch's `rows` rows is expected to beat a
+    plain step: the best width's expected tokens per second, with the drafter pass paid, against
+    rows / verify_s(rows, 1). Decided before drafting, from the acceptance per position."""
+    plain = rows / verify_s(rows, 1)
+    for k in range(1, max_drafts + 1):
+        tokens = rows + drafting * (expected_tokens(position_rates, k) - 1)
+        if tokens / (draft_s(rows) + verify_s(rows, k + 1)) > plain:
+            return True
+    return False
+
+
 def draft_len_schedule(position_rates: Sequence[float], step_s: Callable[[int, int], float],
                        max_draft_len: int, batch_sizes: Sequence[int]) -> dict[int, int]:
     """{batch size: drafts per request} for a server that drafts the same k for every request of

@@ -14,7 +14,7 @@ the others). Drafting costs a sixth of the head on SmolLM2 (8,192 of 49,152 rows
 always uses the whole vocabulary, so output is unchanged. Readers that do not know the file draft
 over the whole vocabulary.
 
-Mask token id, when not given (`choose_mask_token_id`):
+Mask token id, when not given (`dflash.drafter_init.choose_mask_token_id`):
 - Qwen3 family (embedding 151936 rows, tokenizer 151669 tokens): 151669, the first embedding row
   past the tokenizer, exactly what the reference drafters use.
 - Any target whose embedding has rows past the tokenizer: the first such row (never produced).
@@ -138,6 +138,33 @@ class DFlashAttention(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
 
+    def forward_rows(self, x, context, ctx_rope, block_rope, view, ctx_mask):
+        """forward for rows with their own cached lengths (dflash.slots): the context's K/V are
+        written into each row's slots, the block's are not cached.
+
+        x: (n, T, H) block or None (inject the context only); context: (n, C, H) right-padded;
+        ctx_rope, block_rope: (cos, sin) at each row's positions; ctx_mask: (n, 1, 1, top) the
+        cached slots each row may see (its old context plus its real new context).
+        """
+        n, c, _ = context.shape
+        k = self.k_norm(self.k_proj(context).view(n, c, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(context).view(n, c, self.num_kv_heads, self.head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (n, nkv, C, hd)
+        keys, values = view.write(self.layer_idx, _rope(k, *ctx_rope), v)  # (n, nkv, top, hd)
+        if x is None:
+            return None
+        t = x.shape[1]
+        q = self.q_norm(self.q_proj(x).view(n, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        kb = self.k_norm(self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim))
+        vb = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)  # (n, nkv, T, hd)
+        keys = torch.cat([keys, _rope(kb, *block_rope)], dim=2)
+        values = torch.cat([values, vb], dim=2)
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(n, 1, 1, t)], dim=-1)  # (n, 1, 1, top+T)
+        out = F.scaled_dot_product_attention(_rope(q, *block_rope), keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))  # (n, T, H)
+
     def forward_ops(self, x, cos, sin, cache: DraftCache, ops):
         """The block's attention through `block_draft_attention`, batch 1, context already cached.
 
@@ -172,6 +199,14 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, x, context, cos, sin, cache):
         # The context is not normed per layer: it was normed once by hidden_norm (as the reference).
         x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_rows(self, x, context, ctx_rope, block_rope, view, ctx_mask):
+        out = self.self_attn.forward_rows(None if x is None else self.input_layernorm(x), context,
+                                          ctx_rope, block_rope, view, ctx_mask)
+        if x is None:
+            return None
+        x = x + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_ops(self, x, cos, sin, cache, ops):
@@ -247,6 +282,39 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, context, cos, sin, cache)
         return self.norm(x)  # (B, T, H)
+
+    def new_slot_cache(self, rows: int, capacity: int):
+        """A context cache for `rows` sequences of their own lengths (dflash.slots)."""
+        from dflash_trt.dflash.slots import SlotCache
+
+        return SlotCache(len(self.layers), rows, capacity)
+
+    def forward_rows(self, noise_embedding, target_hidden, context_lengths, view):
+        """forward for a batch of rows, each with its own cached context length.
+
+        target_hidden: (n, C, k*H) each row's new context features, right-padded to C, of which
+        `context_lengths[r]` are real; view: the drafter's SlotCache viewed for C new positions.
+        The real context is cached (the caller adds context_lengths to the cache's lengths); the
+        block is not. noise_embedding: (n, T, H) or None to inject the context only.
+        Returns (n, T, H) or None.
+        """
+        device = target_hidden.device
+        starts = torch.tensor(view.starts, device=device)[:, None]  # (n, 1)
+        real = torch.tensor(list(context_lengths), device=device)[:, None]  # (n, 1)
+        ctx_pos = view.positions(device)  # (n, C)
+        ctx_mask = (torch.arange(view.top, device=device)[None] < starts + real)[:, None, None]
+        like = target_hidden if noise_embedding is None else noise_embedding
+        ctx_rope = [r[:, None] for r in self.rotary_emb(like, ctx_pos)]  # (n, 1, C, hd) each
+        block_rope = None
+        if noise_embedding is not None:
+            width = noise_embedding.shape[1]
+            block_pos = starts + real + torch.arange(width, device=device)[None]  # (n, T)
+            block_rope = [r[:, None] for r in self.rotary_emb(like, block_pos)]
+        context = self.hidden_norm(self.fc(target_hidden))  # (n, C, H)
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer.forward_rows(x, context, ctx_rope, block_rope, view, ctx_mask)
+        return None if x is None else self.norm(x)
 
     def _ops(self):
         """The plugin ops module, or None when this drafter should (or must) run plain torch."""
@@ -375,79 +443,3 @@ def _read_safetensors(path: Path) -> dict:
     for f in files:
         state.update(load_file(str(f)))
     return state
-
-
-def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
-    """A token id for MASK that exists in the target's embedding (rules in the module docstring)."""
-    if len(tokenizer) < embedding_rows:
-        return len(tokenizer)
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < embedding_rows:
-        return tokenizer.mask_token_id
-    common = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
-              tokenizer.unk_token_id}
-    # added_tokens_decoder also lists special tokens that a GGUF tokenizer lost the role of.
-    special = [i for i, tok in tokenizer.added_tokens_decoder.items()
-               if tok.special and i not in common and i < embedding_rows]
-    if special:
-        return max(special)
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id < embedding_rows:
-        return tokenizer.pad_token_id
-    return embedding_rows - 1
-
-
-def drafter_config_for_target(target_config, *, num_layers: int, block_size: int,
-                              target_layer_ids: list[int] | None, mask_token_id: int):
-    """A drafter config that copies hidden size, heads, head_dim, MLP size and RoPE from a target."""
-    from transformers import Qwen3Config
-
-    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    num_target_layers = t.num_hidden_layers
-    ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(
-        num_target_layers, num_layers)
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise DflashTrtError(f"target_layer_ids {bad} out of range: the target has "
-                             f"{num_target_layers} layers (valid ids 0..{num_target_layers - 1})")
-    if not 0 <= mask_token_id < t.vocab_size:
-        raise DflashTrtError(f"mask_token_id {mask_token_id} is not in the target's embedding "
-                             f"(vocab_size {t.vocab_size})")
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    return Qwen3Config(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
-        rope_parameters=dict(t.rope_parameters), vocab_size=t.vocab_size,
-        max_position_embeddings=t.max_position_embeddings, attention_bias=False,
-        num_hidden_layers=num_layers, tie_word_embeddings=False, architectures=[ARCHITECTURE],
-        block_size=block_size, num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": ids})
-
-
-def init_drafter_for_target(target_dir: Path, *, num_layers: int = 1, block_size: int = 16,
-                            target_layer_ids: list[int] | None = None,
-                            mask_token_id: int | None = None, seed: int = 0) -> DFlashDraftModel:
-    """A randomly initialised (untrained) drafter shaped for the target checkpoint in target_dir."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    target_config = AutoConfig.from_pretrained(target_dir)
-    if mask_token_id is None:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        mask_token_id = choose_mask_token_id(tokenizer, target_config.vocab_size)
-    config = drafter_config_for_target(target_config, num_layers=num_layers,
-                                       block_size=block_size, target_layer_ids=target_layer_ids,
-                                       mask_token_id=mask_token_id)
-    return init_drafter(config, seed=seed)
-
-
-def init_drafter(config, *, seed: int = 0) -> DFlashDraftModel:
-    """Build a drafter from its config with a fixed-seed initialisation (std = initializer_range)."""
-    generator = torch.Generator().manual_seed(seed)
-    model = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, config.initializer_range, generator=generator)
-    return model.eval()

@@ -61,15 +61,17 @@ class GenerationStats:
         return sum(self.acceptance_lengths) / n if n else 0.0
 
 
-class _LazyLogits:
+class LazyLogits:
     """Verify logits, computed on first use: a rejected first draft costs one LM-head row.
-    `banned(i)`: tokens row i may not produce (bad words), masked out of what it returns."""
+    `banned(i)`: tokens row i may not produce (bad words), masked out of what it returns.
+    `first`: row 0's logits when the caller already has them (a batch computes them at once)."""
 
-    def __init__(self, target, hidden: torch.Tensor, banned: Callable[[int], list[int]]):
+    def __init__(self, target, hidden: torch.Tensor, banned: Callable[[int], list[int]],
+                 first: torch.Tensor | None = None):
         self.target, self.hidden = target, hidden[0]  # (T, H)
         self.banned = banned
         self.rows: torch.Tensor | None = None  # (T, V) once all are computed
-        self.first: torch.Tensor | None = None  # (V,)
+        self.first: torch.Tensor | None = first  # (V,)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return without(self._row(i), self.banned(i))
@@ -104,6 +106,13 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     vocab = getattr(drafter, "draft_vocab", None)  # (K,) or None: the tokens it drafts
     drafted = hidden[0, 1:k + 1]  # (k, H): only the drafts we will verify
     logits = target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
+    return pick_drafts(logits, vocab, sampler, target.vocab_size)
+
+
+def pick_drafts(logits: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler,
+                vocab_size: int):
+    """Drafts from the drafter's logits (k, V) or (k, K) over `vocab`: the drafts, their
+    distribution q (k, V) over the whole vocabulary (None when greedy) and the confidences."""
     if sampler.greedy:
         confidence, picks = logits.float().softmax(dim=-1).max(dim=-1)  # (k,), (k,)
         return (picks if vocab is None else vocab[picks]).tolist(), None, confidence.tolist()
@@ -114,7 +123,7 @@ def draft_block(target, drafter, token: int, context: torch.Tensor, cache, start
     confidence = q.max(dim=-1).values.tolist()  # (k,)
     if vocab is None:
         return picks.tolist(), q, confidence
-    full = q.new_zeros(k, target.vocab_size)  # q over the whole vocabulary: 0 outside `vocab`
+    full = q.new_zeros(q.shape[0], vocab_size)  # q over the whole vocabulary: 0 outside `vocab`
     full[:, vocab] = q
     return vocab[picks].tolist(), full, confidence
 
@@ -129,7 +138,7 @@ def copied_drafts(target, drafts: list[int], sampler: Sampler):
     return drafts, q
 
 
-def accept_greedy(logits: _LazyLogits, drafts: list[int]) -> tuple[int, int]:
+def accept_greedy(logits: LazyLogits, drafts: list[int]) -> tuple[int, int]:
     """Longest prefix of drafts equal to the target's argmax, plus the target's next token."""
     n = 0
     while True:
@@ -139,7 +148,7 @@ def accept_greedy(logits: _LazyLogits, drafts: list[int]) -> tuple[int, int]:
         n += 1
 
 
-def accept_sampled(logits: _LazyLogits, drafts: list[int], q: torch.Tensor | None,
+def accept_sampled(logits: LazyLogits, drafts: list[int], q: torch.Tensor | None,
                    sampler: Sampler) -> tuple[int, int]:
     """Speculative rejection sampling: accept d with prob min(1, p(d)/q(d)), else resample."""
     for i, d in enumerate(drafts):
@@ -220,7 +229,7 @@ def generate_steps(target, drafter, prompt_ids: Sequence[int], *, max_new_tokens
         hidden, features = target.forward(verify_ids, target_cache, capture)  # (1, k+1, H)
 
         # 4. Accept a prefix of the drafts plus one token from the target.
-        logits = _LazyLogits(target, hidden, lambda i, d=drafts: banned_next(
+        logits = LazyLogits(target, hidden, lambda i, d=drafts: banned_next(
             history + d[:i], bad_words) if bad_words else [])
         if sampler.greedy:
             n, bonus = accept_greedy(logits, drafts)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_trt.dflash.slots import SlotCache, SlotView
+
 
 class HFTarget:
     """A Hugging Face causal LM, with the outputs of `layer_ids` captured on request."""
@@ -41,6 +43,10 @@ class HFTarget:
 
         return DynamicCache(config=self.model.config)
 
+    def new_slot_cache(self, rows: int, capacity: int) -> SlotCache:
+        """A cache for `rows` sequences of their own lengths (dflash.slots; pass views of it)."""
+        return SlotCache(len(self.base.layers), rows, capacity)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)  # (B, T) -> (B, T, H)
 
@@ -48,11 +54,16 @@ class HFTarget:
         """Run ids (B, T) after the cache; return final hidden (B, T, H) and features or None.
 
         Features are the chosen layers' outputs (hidden_states[id + 1]) concatenated: (B, T, k*H).
-        Positions continue from the cache length, which the caller keeps cropped.
+        Positions continue from the cache length, which the caller keeps cropped; with a SlotView
+        each row continues from its own length (a mask and positions per row).
         """
+        rows = {}
+        if isinstance(cache, SlotView):
+            rows = {"attention_mask": cache.causal_mask(ids.device),
+                    "position_ids": cache.positions(ids.device)}
         self._captured = {} if capture and self.layer_ids else None
         try:
-            out = self.base(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = self.base(input_ids=ids, past_key_values=cache, use_cache=True, **rows)
         finally:
             captured, self._captured = self._captured, None
         features = None
@@ -69,12 +80,19 @@ class HFTarget:
 
     def logits_rows(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits of the token ids `ids` (K,) only: (..., H) -> (..., K), through a copy of those
-        LM-head rows made on first use (a plain, bias-free head; any other head is sliced)."""
+        LM-head rows made on first use (a plain, bias-free head; any other head is sliced),
+        packed for oneDNN where the head is (dflash.cpu_linear)."""
+        from dflash_trt.dflash import cpu_linear
+
         head = self.lm_head
-        if type(head) is not nn.Linear or head.bias is not None:
+        if not cpu_linear.is_plain(head):
             return self.logits(hidden)[..., ids]
         weight = head.weight
         key = (id(ids), weight.data_ptr(), weight.dtype, weight.device)
         if self._rows is None or self._rows[0] != key:  # new ids, or the head moved / was cast
-            self._rows = (key, weight.detach()[ids].contiguous(), ids)  # (K, H); keeps ids alive
+            rows = weight.detach()[ids].contiguous()  # (K, H)
+            packed = cpu_linear.pack(rows) if isinstance(head, cpu_linear.PackedLinear) else None
+            self._rows = (key, rows, packed, ids)  # keeps ids alive
+        if self._rows[2] is not None:
+            return cpu_linear.packed_linear(hidden, self._rows[2], None).float()
         return (hidden @ self._rows[1].T).float()

@@ -25,7 +25,9 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
                               spec.checkpoint(engine_dir, "drafter"),
                               device=device or spec.device, dtype=spec.dtype,
                               block_size=spec.block_size, max_seq_len=spec.max_seq_len,
-                              prompt_lookup=spec.prompt_lookup)
+                              prompt_lookup=spec.prompt_lookup,
+                              max_batch_size=spec.max_batch_size, max_queue=spec.max_queue,
+                              queue_timeout_s=spec.queue_timeout_s)
     if spec.draft_length == "adaptive" and engine.drafter is not None and engine.block_size > 1:
         from dflash_trt.dflash.acceptance import calibrated, read_calibration
         from dflash_trt.engines.cost_model import CALIBRATION_FILE, cost_model_for

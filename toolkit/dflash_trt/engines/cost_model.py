@@ -1,8 +1,9 @@
 """The step cost model of the torch engine, measured on the device that serves.
 
 `cost_model.json` in an engine directory holds the seconds of a target forward over 1 .. block_size
-new tokens and of one drafter block pass (dflash.draft_length.StepCosts), with the device, dtype
-and versions they were measured with. The compile stage writes it; an engine loaded on another
+new tokens and of one drafter block pass (dflash.draft_length.StepCosts), for batch 1 and, for a
+batching engine, for batches of 2, 4, ... up to max_batch_size rows (`batches`), with the device,
+dtype and versions they were measured with. The compile stage writes it; an engine loaded on another
 device kind (or in another dtype) does not trust it and measures again.
 """
 
@@ -12,7 +13,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trt.dflash.draft_length import StepCosts
@@ -37,14 +38,40 @@ class CostModel:
     threads: int
     torch_version: str
     context_tokens: int = CONTEXT_TOKENS
+    batches: dict[int, StepCosts] = field(default_factory=dict)  # rows -> costs, rows >= 2
 
     def identity(self) -> tuple[str, str, str]:
         return self.device, self.device_name, self.dtype
 
+    def step_s(self, rows: int, width: int) -> float:
+        """Seconds of a drafter pass plus a verify forward of `width` tokens over `rows` rows."""
+        return self.draft_s(rows) + self.verify_s(rows, width)
+
+    def verify_s(self, rows: int, width: int) -> float:
+        """A target forward of `width` new tokens in each of `rows` rows: linear between measured
+        batch sizes, proportional above the largest."""
+        return self._at(rows, lambda costs: costs.verify_s[width - 1])
+
+    def draft_s(self, rows: int) -> float:
+        """One drafter block pass over `rows` rows."""
+        return self._at(rows, lambda costs: costs.draft_s)
+
+    def _at(self, rows: int, part) -> float:
+        table = {1: self.costs, **self.batches}
+        sizes = sorted(table)
+        if rows in table:
+            return part(table[rows])
+        if rows > sizes[-1]:
+            return part(table[sizes[-1]]) * rows / sizes[-1]
+        hi = next(n for n in sizes if n > rows)
+        lo = max(n for n in sizes if n < rows)
+        return part(table[lo]) + (part(table[hi]) - part(table[lo])) * (rows - lo) / (hi - lo)
+
     def write(self, engine_dir: Path) -> Path:
         path = Path(engine_dir) / COST_MODEL_FILE
         data = asdict(self)
-        data["costs"] = {"verify_s": list(self.costs.verify_s), "draft_s": self.costs.draft_s}
+        data["costs"] = _costs_json(self.costs)
+        data["batches"] = {str(n): _costs_json(c) for n, c in sorted(self.batches.items())}
         path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 
@@ -56,12 +83,29 @@ class CostModel:
             return None
         try:
             data = json.loads(path.read_text())
-            costs = data.pop("costs")
-            return cls(costs=StepCosts(tuple(float(s) for s in costs["verify_s"]),
-                                       float(costs["draft_s"])), **data)
+            costs = _costs(data.pop("costs"))
+            batches = {int(n): _costs(c) for n, c in (data.pop("batches", None) or {}).items()}
+            return cls(costs=costs, batches=batches, **data)
         except (ValueError, KeyError, TypeError) as exc:
             raise DflashTrtError(f"{path}: not a cost model ({exc}); delete it and rebuild the "
                                  "compile stage, or run without it") from None
+
+
+def _costs_json(costs: StepCosts) -> dict:
+    return {"verify_s": list(costs.verify_s), "draft_s": costs.draft_s}
+
+
+def _costs(data: dict) -> StepCosts:
+    return StepCosts(tuple(float(s) for s in data["verify_s"]), float(data["draft_s"]))
+
+
+def batch_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes a batching engine measures: 2, 4, 8, ... below it, and itself."""
+    sizes, n = [], 2
+    while n < max_batch_size:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_batch_size] if max_batch_size > 1 else []
 
 
 def device_identity(device: str, dtype: str) -> tuple[str, str, str]:
@@ -91,8 +135,10 @@ def cost_model_for(engine, engine_dir: Path | None) -> CostModel:
     else a fresh measurement (a few seconds)."""
     stored = CostModel.read(engine_dir) if engine_dir is not None else None
     here = device_identity(engine.device, engine.dtype)
+    wanted = batch_sizes(getattr(engine, "max_batch_size", 1))
     if stored is not None and stored.identity() == here \
-            and len(stored.costs.verify_s) == engine.block_size:
+            and len(stored.costs.verify_s) == engine.block_size \
+            and set(wanted) <= set(stored.batches):
         return stored
     return measure(engine)
 
@@ -146,7 +192,45 @@ def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPE
             draft_cache.crop(start)  # a step injects the newly accepted tokens' features
 
         draft_s = median_s(draft)
+        batches = {n: _measure_batch(engine, n, ids, context_tokens, median_s)
+                   for n in batch_sizes(getattr(engine, "max_batch_size", 1))}
     kind, name, dtype = device_identity(engine.device, engine.dtype)
     return CostModel(costs=StepCosts(verify_s, draft_s), device=kind, device_name=name,
                      dtype=dtype, threads=torch.get_num_threads(),
-                     torch_version=torch.__version__, context_tokens=context_tokens)
+                     torch_version=torch.__version__, context_tokens=context_tokens,
+                     batches=batches)
+
+
+def _measure_batch(engine, rows: int, ids, context_tokens: int, median_s) -> StepCosts:
+    """StepCosts of `rows` rows through dflash.batch's caches: each row holds `context_tokens`,
+    verifies 1 .. block_size tokens, and drafts after 2 new context positions."""
+    import torch
+
+    target, drafter, block = engine.target, engine.drafter, engine.block_size
+    capacity = context_tokens + block
+    kv = target.new_slot_cache(rows, capacity)
+    prompt = ids[:, :context_tokens].expand(rows, -1)  # (rows, C)
+    _, features = target.forward(prompt, kv.view(0, rows, context_tokens), True)
+    kv.lengths[:rows] = [context_tokens] * rows
+    dkv = drafter.new_slot_cache(rows, capacity)
+    start = context_tokens - 2
+    drafter.forward_rows(None, features[:, :start], [start] * rows, dkv.view(0, rows, start))
+    dkv.lengths[:rows] = [start] * rows
+
+    def verify(n: int):
+        def run():
+            hidden, _ = target.forward(ids[:, context_tokens:context_tokens + n].expand(rows, -1),
+                                       kv.view(0, rows, n), True)
+            target.logits(hidden)  # (rows, n, V): every row, as fully accepted steps need
+        return run
+
+    vocab = getattr(drafter, "draft_vocab", None)
+    block_ids = torch.zeros(rows, block, dtype=torch.long, device=ids.device)
+
+    def draft():
+        hidden = drafter.forward_rows(target.embed(block_ids), features[:, start:],
+                                      [2] * rows, dkv.view(0, rows, 2))
+        drafted = hidden[:, 1:]  # (rows, B-1, H)
+        target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
+
+    return StepCosts(tuple(median_s(verify(n)) for n in range(1, block + 1)), median_s(draft))

@@ -45,6 +45,8 @@ class EngineSpec:
     prompt_lookup: bool = False  # torch engine: n-gram drafts before the drafter
     parse_special_tokens: bool = False  # control tokens in text_input stay text unless set
     draft_length: str = "fixed"  # torch engine: "adaptive" verifies only drafts worth their cost
+    max_queue: int = 64  # torch engine, batching: requests that may wait for a batch row
+    queue_timeout_s: float = 60.0  # torch engine, batching: longest wait for a row, then an error
 
     def write(self, engine_dir: Path) -> Path:
         """Write engine_dir/engine.yaml; return its path."""

@@ -1,8 +1,10 @@
 """The torch engine: DFlash speculative decoding over a Hugging Face target, on CPU or CUDA.
 
 It is the reference engine: the one the CLI, the verify stage and the CPU Triton model run, and
-the one other engines are checked against. Requests are served one at a time (a lock), which is
-what batch size 1 speculative decoding does anyway.
+the one other engines are checked against. With max_batch_size 1 requests are served one at a
+time (a lock) by dflash.generate, the batch-1 reference; above 1 they are batched continuously
+(engines.scheduler over dflash.batch): up to max_batch_size requests share each drafter pass and
+verify forward, more wait in a bounded queue.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class TorchEngine:
     """Engine protocol implementation (see engines/base.py) over dflash.generate."""
 
     def __init__(self, model, tokenizer, drafter, *, device: str, block_size: int,
-                 max_seq_len: int, prompt_lookup: bool = False):
+                 max_seq_len: int, prompt_lookup: bool = False, max_batch_size: int = 1,
+                 max_queue: int = 64, queue_timeout_s: float = 60.0):
         from dflash_trt.dflash.target import HFTarget
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
@@ -64,11 +67,18 @@ class TorchEngine:
         # Confidence -> P(accepted), calibrated on measured acceptance (dflash.acceptance); None:
         # the chooser trusts the drafter's raw confidence.
         self.acceptance = None
+        # Continuous batching above 1 (engines.scheduler): rows per step, waiting requests, and
+        # how long one may wait for a row before it gets an error.
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self._scheduler = None  # started by the first batched request
+        self._starting = threading.Lock()
 
     @classmethod
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
              dtype: str = "float32", block_size: int | None = None,
-             max_seq_len: int = 2048, prompt_lookup: bool = False) -> TorchEngine:
+             max_seq_len: int = 2048, prompt_lookup: bool = False, max_batch_size: int = 1,
+             max_queue: int = 64, queue_timeout_s: float = 60.0) -> TorchEngine:
         """Load a target checkpoint (and optionally a drafter) from resolved directories."""
         from transformers import AutoTokenizer
 
@@ -77,10 +87,12 @@ class TorchEngine:
         device = _pick_device(device)
         target_dir = Path(target_dir)
         model = load_target(target_dir, dtype=dtype, device=device)
+        _pack_for_cpu(model)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         drafter = None
         if drafter_dir is not None:
             drafter = load_drafter(Path(drafter_dir), dtype=dtype, device=device)
+            _pack_for_cpu(drafter)
             _check_pair(model, drafter, drafter_dir)
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
@@ -94,8 +106,12 @@ class TorchEngine:
                              "size; pass a drafter or turn prompt lookup off")
         if max_seq_len < 2:
             raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
+        if max_batch_size > 1:
+            _check_batchable(model, target_dir)
         return cls(model, tokenizer, drafter, device=device, block_size=block_size,
-                   max_seq_len=max_seq_len, prompt_lookup=prompt_lookup)
+                   max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
+                   max_batch_size=max_batch_size, max_queue=max_queue,
+                   queue_timeout_s=queue_timeout_s)
 
     def tokenize(self, prompt: str, chat: bool = False,
                  parse_special_tokens: bool = False) -> list[int]:
@@ -161,40 +177,120 @@ class TorchEngine:
         return partial(choose_draft_length, costs=self.cost_model.costs,
                        acceptance=self.acceptance)
 
+    def _choose_width(self, confidences: list[list[float]]) -> int:
+        """The batch's verify width from the cost model (dflash.batch.choose_width)."""
+        from dflash_trt.dflash.batch import choose_width
+
+        return choose_width(confidences, self.cost_model.step_s, self.acceptance)
+
+    def _batch(self):
+        """The scheduler of batched serving, started on first use."""
+        with self._starting:
+            return self._scheduler or self._start_scheduler()
+
+    def _drafting_pays(self, rates: list[float], rows: int, drafting: int) -> bool:
+        """Whether this step should run the drafter at all (dflash.draft_length.drafting_pays)."""
+        from dflash_trt.dflash.draft_length import drafting_pays
+
+        model = self.cost_model
+        return drafting_pays(rates, rows, drafting, model.verify_s, model.draft_s,
+                             self.block_size - 1)
+
+    def _start_scheduler(self):
+        from dflash_trt.dflash.batch import BatchDecoder
+        from dflash_trt.engines.scheduler import Scheduler
+
+        adaptive = self.cost_model is not None and self.drafter is not None
+        decoder = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
+                               max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
+                               prompt_lookup=self.prompt_lookup, backoff=self.draft_backoff,
+                               choose=self._choose_width if adaptive else None,
+                               pays=self._drafting_pays if adaptive else None)
+        self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
+                                    queue_timeout_s=self.queue_timeout_s)
+        return self._scheduler
+
+    def close(self) -> None:
+        """Stop the batching thread (requests in flight get an error)."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StepOutput]:
         """One StepOutput per target forward; closing the iterator early stops generation."""
+        self._check(prompt_ids, params)
+        stops = [*self.stop_token_ids, *([] if params.end_id is None else [params.end_id])]
+        if self.max_batch_size > 1:
+            from dflash_trt.dflash.batch import Request
+
+            ticket = self._batch().submit(Request(
+                prompt_ids, params.max_new_tokens, self._sampler(params), stops,
+                params.num_draft_tokens, params.bad_words))
+            try:
+                yield from self._outputs(iter(ticket), params)
+            finally:
+                ticket.cancel()  # frees the row at the next step when the client went away
+            return
         from dflash_trt.dflash.generate import generate_steps
 
-        self._check(prompt_ids, params)
         with self._lock:  # released on normal end, on error, and on generator close()
-            detok = IncrementalDetokenizer(self.tokenizer)
-            stops = StopWordFilter(params.stop_words)
             steps = generate_steps(self.target, self.drafter, prompt_ids,
                                    max_new_tokens=params.max_new_tokens,
                                    block_size=self.block_size,
                                    num_draft_tokens=params.num_draft_tokens,
-                                   stop_token_ids=[*self.stop_token_ids, *(
-                                       [] if params.end_id is None else [params.end_id])],
+                                   stop_token_ids=stops,
                                    sampler=self._sampler(params),
                                    backoff=self.draft_backoff,
                                    prompt_lookup=self.prompt_lookup,
                                    draft_length=self._draft_length(),
                                    bad_words=params.bad_words)
             try:
-                for step in steps:
-                    text, stopped = stops.push(detok.push(step.token_ids))
-                    finish = "stop" if stopped else step.finish_reason
-                    if finish is not None and not stopped:  # the end: release held-back text
-                        tail, stopped = stops.push(detok.flush())
-                        text += tail if stopped else tail + stops.flush()
-                        finish = "stop" if stopped else finish
-                    yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
-                                     step.num_accepted_draft_tokens, finish is not None, finish,
-                                     step.draft_source, step.draft_confidence)
-                    if finish is not None:
-                        return
+                yield from self._outputs(steps, params)
             finally:
                 steps.close()
+
+    def _outputs(self, steps, params: SamplingParams) -> Iterator[StepOutput]:
+        """StepOutputs with text (stop words applied) from dflash Steps, up to the last one."""
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopWordFilter(params.stop_words)
+        for step in steps:
+            text, stopped = stops.push(detok.push(step.token_ids))
+            finish = "stop" if stopped else step.finish_reason
+            if finish is not None and not stopped:  # the end: release held-back text
+                tail, stopped = stops.push(detok.flush())
+                text += tail if stopped else tail + stops.flush()
+                finish = "stop" if stopped else finish
+            yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
+                             step.num_accepted_draft_tokens, finish is not None, finish,
+                             step.draft_source, step.draft_confidence)
+            if finish is not None:
+                return
+
+
+def _pack_for_cpu(model) -> None:
+    """float32 on CPU: the model's linear layers through oneDNN with packed weights, several
+    times faster than the default kernels for the few rows of a verify forward or a batch
+    (dflash.cpu_linear)."""
+    import torch
+
+    from dflash_trt.dflash import cpu_linear
+
+    param = next(model.parameters())
+    if param.device.type == "cpu" and param.dtype == torch.float32 and cpu_linear.available():
+        cpu_linear.pack_linears(model)
+
+
+def _check_batchable(model, target_dir) -> None:
+    """Batched rows need sdpa-style attention over the whole cache with a mask per row."""
+    from dflash_trt.dflash.attention import NAME, sliding_window
+
+    if sliding_window(model.config):
+        raise UsageError(f"{target_dir}: sliding-window attention is not batched by the torch "
+                         "engine; set engine.max_batch_size: 1")
+    if model.config._attn_implementation == NAME:
+        raise UsageError(f"{target_dir}: in half precision the torch engine verifies with "
+                         "row-wise attention, which serves batch 1 only; set engine.dtype: "
+                         "float32 or engine.max_batch_size: 1")
 
 
 def _check_pair(model, drafter, drafter_dir) -> None:

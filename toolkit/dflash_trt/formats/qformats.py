@@ -242,14 +242,18 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
         self.register_buffer("pre_quant_scale", pre_quant_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the quantized layer sees it (pre-quant scale, fake-quantized)."""
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale.to(x.dtype)
         if self.act_format == "nvfp4":
             x = nvfp4_fake_quantize(x, self.input_scale)
         elif self.act_format == "fp8":
             x = fp8_fake_quantize(x, self.input_scale)
-        return F.linear(x, self.weight, self.bias)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.prepare_input(x), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, act={self.act_format}"

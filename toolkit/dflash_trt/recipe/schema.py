@@ -218,7 +218,14 @@ class EngineSection(Section):
         "(dflash/attention.py), token-identical to plain decoding where the linear layers are "
         "row-invariant (measured on CPU); eval and verify classify any divergence as a near-tie "
         "or a mismatch.")
-    max_batch_size: int = Field(1, ge=1, le=4096, description="Requests batched per step.")
+    max_batch_size: int = Field(1, ge=1, le=4096, description="Requests batched per step. "
+                                "torch engine: above 1, requests join and leave a running batch "
+                                "at step boundaries (continuous batching, float32/float64 and no "
+                                "sliding window); 1 serves one request at a time.")
+    max_queue: int = Field(64, ge=0, le=100000, description="torch engine, batching: requests "
+                           "that may wait for a batch row; one more gets an error at once.")
+    queue_timeout_s: float = Field(60.0, gt=0, description="torch engine, batching: the longest "
+                                   "a request waits for a batch row before it gets an error.")
     max_seq_len: int = Field(4096, ge=16, description="Prompt plus generated tokens.")
     max_num_tokens: int = Field(8192, ge=16, description="Tokens per forward across the batch.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per model replica.")
@@ -349,6 +356,13 @@ def _check_hardware(r: Recipe) -> None:
         errors.append(CrossFieldError(
             ("engine", "dtype"), "TensorRT-LLM's DFlash attention takes bfloat16 or float16 "
             "only (here the engine would serve float32); set engine.dtype: bfloat16"))
+    torch_dtype = r.engine.dtype if r.engine.dtype not in (None, "auto") else \
+        None if r.engine.dtype == "auto" else r.target.dtype  # auto batches in float32
+    if not trtllm and r.engine.max_batch_size > 1 and torch_dtype in ("bfloat16", "float16"):
+        errors.append(CrossFieldError(
+            ("engine", "max_batch_size"), f"the torch engine batches in float32 only ({torch_dtype} "
+            "verifies with row-wise attention, batch 1: dflash/attention.py); set engine.dtype: "
+            "float32 (or auto), or max_batch_size: 1"))
     if trtllm and r.triton.instance_count > 1:
         errors.append(CrossFieldError(
             ("triton", "instance_count"), "several tensorrt_llm instances would each claim every "

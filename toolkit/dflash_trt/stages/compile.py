@@ -72,6 +72,8 @@ def run_compile_stage(ctx) -> dict:
         prompt_lookup=engine.prompt_lookup,
         parse_special_tokens=recipe.target.parse_special_tokens,
         draft_length=engine.draft_length if engine.backend == "torch" else "fixed",
+        max_queue=engine.max_queue,
+        queue_timeout_s=engine.queue_timeout_s,
     )
     spec.write(ctx.out)
     info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,

@@ -57,7 +57,8 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
 
 def engine_dtype(recipe) -> str:
     """The compute dtype the engine serves in: engine.dtype, where `auto` means bfloat16 on a
-    CPU with native bf16 instructions and float32 on one without; on a GPU the target's dtype.
+    CPU with native bf16 instructions and float32 on one without (or when the torch engine
+    batches); on a GPU the target's dtype.
     Unset means the target's dtype. `auto` is decided on the machine that builds (compile writes
     it into engine.yaml): build where you serve, as the CPU default does."""
     dtype = recipe.engine.dtype
@@ -67,6 +68,8 @@ def engine_dtype(recipe) -> str:
         return dtype
     if resolve_device(recipe.engine.device, recipe.hardware) != "cpu":
         return recipe.target.dtype
+    if recipe.engine.backend == "torch" and recipe.engine.max_batch_size > 1:
+        return "float32"  # bf16's row-wise attention serves batch 1 (dflash/attention.py)
     return "bfloat16" if cpu_bf16_flags() else "float32"
 
 

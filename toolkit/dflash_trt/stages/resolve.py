@@ -238,7 +238,8 @@ def run_resolve_stage(ctx) -> dict:
 
 
 def _resolve_drafter(target_dir: Path, out: Path, section) -> dict:
-    from dflash_trt.dflash.drafter import DFlashDraftModel, init_drafter_for_target
+    from dflash_trt.dflash.drafter import DFlashDraftModel
+    from dflash_trt.dflash.drafter_init import init_drafter_for_target
 
     if section.source is not None:
         src = resolve_source(section.source)

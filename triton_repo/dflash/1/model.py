@@ -90,9 +90,17 @@ class TritonPythonModel:
         self.spec = EngineSpec.read(ENGINE_DIR)
         self.engine = load_engine(ENGINE_DIR, device=device)
         self.metrics = Metrics(args["model_name"], args["model_version"])
-        self.pool = ThreadPoolExecutor(max_workers=max(MIN_WORKERS, self.spec.max_batch_size),
+        # A worker per batch row and per queue place: the engine's queue, not the pool's, bounds
+        # how many wait (and says so when it is full).
+        workers = self.spec.max_batch_size + self.spec.max_queue
+        self.pool = ThreadPoolExecutor(max_workers=max(MIN_WORKERS, workers),
                                        thread_name_prefix="dflash")
         self.closing = threading.Event()
+        # One thread at a time talks to the Triton process (responses, cancellation checks,
+        # metrics): with batching many requests stream at once, and concurrent sends from a
+        # stub's threads crashed Triton 2.51's Python backend here (std::bad_alloc in
+        # libtriton_python.so, 4 concurrent streams).
+        self.ipc = threading.Lock()
         pb_utils.Logger.log_info(f"dflash: {self.spec.backend} engine from {ENGINE_DIR}, "
                                  f"block_size {self.engine.block_size}, decoupled {self.decoupled}")
 
@@ -143,15 +151,15 @@ class TritonPythonModel:
 
     def _responses(self, request):
         """Yield (response, is_final); ends early when the client cancels."""
-        is_cancelled = getattr(request, "is_cancelled", lambda: False)
+        is_cancelled = self._is_cancelled(request)
         try:
             req = self._parse(request)
         except BadRequest as exc:
-            self.metrics.record("error")
+            self._record("error")
             yield _error(str(exc)), True
             return
         if is_cancelled():
-            self.metrics.record("cancelled")
+            self._record("cancelled")
             return
         totals = Totals()
         finished = False
@@ -179,27 +187,45 @@ class TritonPythonModel:
             steps.close()  # frees the engine (and its lock) when the client went away
             if outcome == "error" and is_cancelled():
                 outcome = "cancelled"  # the client left while a response was being sent
+            self._record(outcome, totals)
+
+    def _is_cancelled(self, request):
+        check = getattr(request, "is_cancelled", None)
+        if check is None:
+            return lambda: False
+
+        def locked():
+            with self.ipc:
+                return check()
+        return locked
+
+    def _record(self, outcome, totals=None):
+        with self.ipc:
             self.metrics.record(outcome, totals)
+
+    def _send(self, sender, response=None, flags=0):
+        with self.ipc:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
 
     def _serve_decoupled(self, request):
         sender = request.get_response_sender()
         final_sent = False
         try:
             for response, final in self._responses(request):
-                if response is None:
-                    sender.send(flags=FINAL)
-                else:
-                    sender.send(response, flags=FINAL if final else 0)
+                self._send(sender, response, FINAL if final else 0)
                 final_sent = final
         except Exception as exc:  # noqa: BLE001 - report it to the client, keep serving
-            if getattr(request, "is_cancelled", lambda: False)():
+            if self._is_cancelled(request)():
                 return  # the client is gone; nobody to tell
             pb_utils.Logger.log_error(f"dflash: request failed: {traceback.format_exc()}")
             if not final_sent:
-                sender.send(_error(f"internal error: {exc}"), flags=FINAL)
+                self._send(sender, _error(f"internal error: {exc}"), FINAL)
                 final_sent = True
         if not final_sent:  # cancelled: close the stream without a response
-            sender.send(flags=FINAL)
+            self._send(sender, None, FINAL)
 
     def _single_response(self, request):
         try:

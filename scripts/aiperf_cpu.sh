@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Load-test a served model with NVIDIA AIPerf through Triton's HTTP generate_stream endpoint
+# (AIPerf's `template` endpoint type), at several concurrency levels, as docs/benchmarks.md records.
+#
+#   scripts/aiperf_cpu.sh                       # serves the CPU default build, runs 1 and 4
+#   CONCURRENCY="1 2 4 8" scripts/aiperf_cpu.sh
+#   URL=127.0.0.1:8000 scripts/aiperf_cpu.sh    # an already running server (nothing started)
+#
+# AIPerf is a benchmark tool, not a dependency: it gets its own virtual environment ($AIPERF_VENV,
+# created on first use). Synthetic prompts of INPUT_TOKENS tokens (AIPerf's own corpus), OUTPUT_TOKENS
+# requested per answer, greedy, streaming. Results land in $OUT/c<N>/ (AIPerf's export files).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+BUILD=${BUILD:-build/smollm2-135m-cpu}
+OUT=${OUT:-build/bench/aiperf}
+AIPERF_VENV=${AIPERF_VENV:-build/aiperf-venv}
+CONCURRENCY=${CONCURRENCY:-"1 4"}
+REQUESTS=${REQUESTS:-16}
+INPUT_TOKENS=${INPUT_TOKENS:-64}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-48}
+MODEL=${MODEL:-dflash}
+HTTP_PORT=${HTTP_PORT:-18000}
+
+if [[ ! -x "$AIPERF_VENV/bin/aiperf" ]]; then
+  python3 -m venv "$AIPERF_VENV"
+  "$AIPERF_VENV/bin/pip" install --quiet aiperf
+fi
+
+SERVER_PID=
+if [[ -z "${URL:-}" ]]; then
+  URL=127.0.0.1:$HTTP_PORT
+  "$BIN/dflash-trt" serve "$BUILD/triton_repo" --http-port "$HTTP_PORT" --grpc-port 0 \
+    --metrics-port 0 > "$OUT.serve.log" 2>&1 &
+  SERVER_PID=$!
+  trap '[[ -n "$SERVER_PID" ]] && kill "$SERVER_PID" 2>/dev/null; wait 2>/dev/null || true' EXIT
+  for _ in $(seq 1 120); do
+    curl -sf "http://$URL/v2/health/ready" > /dev/null && break
+    sleep 1
+  done
+fi
+curl -sf "http://$URL/v2/health/ready" > /dev/null || { echo "no server ready at $URL" >&2; exit 1; }
+
+mkdir -p "$OUT"
+# The body Triton's generate extension takes for this model (text_input, max_tokens, stream).
+cat > "$OUT/payload.jinja" <<'EOF'
+{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, "stream": true, "temperature": 0.0}
+EOF
+
+for c in $CONCURRENCY; do
+  "$AIPERF_VENV/bin/aiperf" profile \
+    --model "$MODEL" --url "http://$URL" \
+    --endpoint-type template --custom-endpoint "/v2/models/$MODEL/generate_stream" --streaming \
+    --extra-inputs payload_template:"$OUT/payload.jinja" --extra-inputs response_field:text_output \
+    --tokenizer "$BUILD/engine/target" \
+    --synthetic-input-tokens-mean "$INPUT_TOKENS" --synthetic-input-tokens-stddev 0 \
+    --output-tokens-mean "$OUTPUT_TOKENS" --output-tokens-stddev 0 \
+    --concurrency "$c" --request-count "$REQUESTS" --warmup-request-count 1 \
+    --random-seed 0 --output-artifact-dir "$OUT/c$c" --ui-type none
+done

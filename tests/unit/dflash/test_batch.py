@@ -1,0 +1,197 @@
+"""dflash.batch: batched DFlash equals each request's own plain decoding, rows come and go."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash_fixtures import VOCAB, random_prompts, tiny_drafter, tiny_target
+
+from dflash_trt.dflash import generate as gen
+from dflash_trt.dflash.batch import BatchDecoder, Request, choose_width
+from dflash_trt.dflash.sampling import Sampler
+from dflash_trt.dflash.target import HFTarget
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def setup(request):
+    """A float64 tiny target (exact: no near-ties), a random drafter, plain greedy references."""
+    model = tiny_target(request.param).double()
+    drafter = tiny_drafter(model, block_size=4, target_layer_ids=[0, 2]).double()
+    target = HFTarget(model, drafter.target_layer_ids)
+    prompts = random_prompts(6, seed=4, low=2, high=40)
+    lengths = [5, 30, 17, 1, 24, 9]
+    refs = [gen.generate(HFTarget(model), None, p, max_new_tokens=n, block_size=1)[0]
+            for p, n in zip(prompts, lengths, strict=True)]
+    return target, drafter, prompts, lengths, refs
+
+
+def run(decoder: BatchDecoder, requests: list[Request], arrive: list[int]) -> list[list[int]]:
+    """Requests join at their step (arrive), at most max_rows at once; tokens per request."""
+    out = [[] for _ in requests]
+    rows, waiting, step = {}, list(range(len(requests))), 0
+    while waiting or rows:
+        for i in [i for i in waiting if arrive[i] <= step]:
+            if len(decoder.rows) < decoder.max_rows:
+                rows[id(decoder.add(requests[i]))] = i
+                waiting.remove(i)
+        for row, s in decoder.prefill() + decoder.decode():
+            out[rows[id(row)]].extend(s.token_ids)
+        for row in [r for r in decoder.rows if r.finish is not None]:
+            decoder.remove(row)
+            del rows[id(row)]
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("max_rows", [1, 3, 6])
+def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows):
+    target, drafter, prompts, lengths, refs = setup
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=max_rows, max_seq_len=128,
+                           backoff=False, prefill_chunk=8)
+    requests = [Request(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert run(decoder, requests, arrive=[0, 0, 2, 3, 3, 7]) == refs
+
+
+class BatchOracle(torch.nn.Module):
+    """A drafter that knows each slot's reference continuation: at its c-th pass it drafts
+    c % block correct tokens and then wrong ones, so every acceptance length occurs in a batch."""
+
+    draft_vocab = None
+
+    def __init__(self, target, sequences: list[list[int]], block_size: int):
+        super().__init__()
+        self.sequences, self.block_size = sequences, block_size
+        self.mask_token_id = VOCAB - 1
+        self.rows = target.model.get_output_embeddings().weight.detach()  # (V, H)
+        self.calls = 0
+
+    def new_slot_cache(self, rows, capacity):
+        from dflash_trt.dflash.slots import SlotCache
+
+        return SlotCache(0, rows, capacity)
+
+    def forward_rows(self, noise_embedding, target_hidden, context_lengths, view):
+        if noise_embedding is None:
+            return None
+        n, width = noise_embedding.shape[:2]
+        out = self.rows.new_zeros(n, width, self.rows.shape[1])
+        correct = self.calls % self.block_size
+        self.calls += 1
+        for r in range(n):
+            start = view.starts[r] + context_lengths[r]  # the block's first position
+            for j in range(1, width):
+                seq = self.sequences[r]
+                token = seq[start + j] if start + j < len(seq) else 0
+                out[r, j] = self.rows[token if j <= correct else (token + 1) % (VOCAB - 1)]
+        return out
+
+
+def test_batched_rows_accept_every_length_and_stay_exact(setup):
+    """Drafts that are partly right in every row: each row's caches are cropped to its own
+    accepted length in shared forwards, and the output is still each row's plain greedy."""
+    target, _, prompts, _, _ = setup
+    plain = HFTarget(target.model)
+    refs = [gen.generate(plain, None, p, max_new_tokens=40, block_size=1)[0] for p in prompts]
+    oracle = BatchOracle(target, [p + r for p, r in zip(prompts, refs, strict=True)], 4)
+    decoder = BatchDecoder(target, oracle, block_size=4, max_rows=6, max_seq_len=128,
+                           backoff=False)
+    rows = [decoder.add(Request(p, 40)) for p in prompts]
+    steps = decoder.prefill()
+    while any(row.finish is None for row in decoder.rows):
+        steps += decoder.decode()
+    assert [[t for row, s in steps if row is mine for t in s.token_ids] for mine in rows] == refs
+    assert {s.num_accepted_draft_tokens for _, s in steps if s.num_draft_tokens == 3} \
+        == {0, 1, 2, 3}
+
+
+def test_bad_words_and_stops_hold_per_row(setup):
+    target, drafter, prompts, _, _ = setup
+    model = target.model
+    plain = HFTarget(model)
+    words, stop = [[5], [7, 9]], 11
+    refs = [gen.generate(plain, None, p, max_new_tokens=20, block_size=1, bad_words=words,
+                         stop_token_ids=[stop])[0] for p in prompts[:3]]
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=3, max_seq_len=128)
+    requests = [Request(p, 20, stop_token_ids=[stop], bad_words=words) for p in prompts[:3]]
+    assert run(decoder, requests, arrive=[0, 1, 1]) == refs
+
+
+V = 6
+
+
+def _bigram_p_value(sequences: list[list[int]], probs: torch.Tensor) -> float:
+    from scipy.stats import chi2
+
+    counts = torch.zeros(V, V)
+    for seq in sequences:
+        for a, b in zip(seq, seq[1:], strict=False):
+            counts[a, b] += 1
+    expected = counts.sum(dim=1, keepdim=True) * probs
+    keep = expected > 0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - V))
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_batched_sampling_follows_the_target_by_chi_square(lookup):
+    """Four rows sampling side by side (own seeds, shared forwards) follow the target."""
+    pytest.importorskip("scipy")
+    from dflash_fixtures import StubDrafter, StubTarget
+
+    g = torch.Generator().manual_seed(5)
+    p_logits = torch.randn(V, V, generator=g) * 1.5
+    q_logits = torch.randn(7, V, generator=g) * 1.5
+    q_logits[:, 0] += 2.0  # over-proposed: rejections matter
+    target, drafter = StubTarget(p_logits), StubDrafter(V, logits=q_logits)
+    decoder = BatchDecoder(target, drafter, block_size=8, max_rows=4, max_seq_len=5000,
+                           prompt_lookup=lookup)
+    seqs = [[0] for _ in range(4)]
+    for seed in range(4):
+        decoder.add(Request([0], 3000, Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(seed))))
+    steps = decoder.prefill()
+    while any(row.finish is None for row in decoder.rows):
+        steps += decoder.decode()
+    by_row = {id(row): i for i, row in enumerate(decoder.rows)}
+    for row, step in steps:
+        seqs[by_row[id(row)]].extend(step.token_ids)
+    assert all(len(s) == 3001 for s in seqs)
+    accepted = sum(s.num_accepted_draft_tokens for _, s in steps)
+    assert 0 < accepted < sum(s.num_draft_tokens for _, s in steps)
+    assert _bigram_p_value(seqs, Sampler(1.0).probs(p_logits)) > 1e-3
+
+
+def test_choose_width_picks_none_when_drafts_never_pass_and_all_when_they_do():
+    def cost(rows, width):
+        return 0.1 * rows + 0.01 * rows * width
+
+    assert choose_width([[0.0] * 7] * 4, cost) == 1
+    assert choose_width([[1.0] * 7] * 4, cost) == 8
+    assert choose_width([[1.0] * 3, [0.0] * 7], cost) == 4  # the sure row sets the width
+    # A batch costs more per width than one row: the same drafts earn a shorter verify.
+    conf = [[0.6] * 7]
+    assert choose_width(conf * 8, lambda n, w: 0.1 + 0.05 * n * w) \
+        < choose_width(conf, lambda n, w: 0.1 + 0.05 * n * w)
+
+
+def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
+    """With `pays` saying no, every step is plain; when it says yes again the drafter gets every
+    position's features (its context never skips a step), and the output stays exact."""
+    target, drafter, prompts, _, _ = setup
+    plain = HFTarget(target.model)
+    refs = [gen.generate(plain, None, p, max_new_tokens=30, block_size=1)[0] for p in prompts[:3]]
+    calls = []
+
+    def pays(rates, rows, drafting):
+        calls.append((rows, drafting))
+        return len(calls) > 10  # plain for 10 steps, then drafting
+
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=3, max_seq_len=128,
+                           backoff=False, pays=pays)
+    rows = [decoder.add(Request(p, 30)) for p in prompts[:3]]
+    steps = decoder.prefill()
+    while any(row.finish is None for row in decoder.rows):
+        steps += decoder.decode()
+    assert [[t for row, s in steps if row is mine for t in s.token_ids] for mine in rows] == refs
+    drafted = [s.num_draft_tokens for _, s in steps[3:]]
+    assert drafted[:30] == [0] * 30 and sum(drafted[30:]) > 0
+    assert calls[0] == (3, 3) and sum(decoder.tested) > 0

@@ -1,0 +1,306 @@
+"""Batched DFlash decoding: many requests, one drafter pass and one target forward per step.
+
+Each request is a row of the batch with its own length in the target's and the drafter's caches
+(dflash.slots). A step:
+1. `prefill`: each row still in its prompt runs one chunk of it (batch 1, into its own slots); the
+   chunk's features go straight into the drafter's cache; the last chunk samples the first token.
+2. `decode`: every decoding row gets its drafts (prompt lookup, or the drafter, or none while it
+   rests or asks for none); one drafter pass serves all rows (rows that do not draft just absorb
+   their new context); the verify width (1 + drafts, the same for every row of the forward) is
+   chosen for the whole batch (`choose_width`); one target forward verifies every row, padded to
+   that width; each row accepts its own prefix (dflash.generate's acceptance, per-row sampler) and
+   its caches are set to what it accepted.
+
+Lossless per row for the same reasons as dflash.generate: a row's tokens are verified against the
+target's distribution at that row's own positions. Padding never reaches a real token: it sits past
+each row's length and the causal mask stops at the row's own tokens. A batched forward computes
+a row's logits with other matrix shapes than batch 1 does, so floats may differ in the last bits
+(exact in float64; in float32 a flip needs a tie at float32 precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_trt.dflash.generate import (
+    BACKOFF_MAX,
+    BACKOFF_PATIENCE,
+    LazyLogits,
+    Step,
+    accept_greedy,
+    accept_sampled,
+    copied_drafts,
+    pick_drafts,
+)
+from dflash_trt.dflash.lookup import lookup_drafts
+from dflash_trt.dflash.sampling import Sampler, banned_next, without
+
+PREFILL_CHUNK = 512  # prompt tokens per row per step: a long prompt does not stall the batch
+
+
+@dataclass
+class Request:
+    """What one row generates (dflash.generate.generate_steps' arguments)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampler: Sampler = field(default_factory=Sampler)
+    stop_token_ids: Sequence[int] = ()
+    num_draft_tokens: int | None = None
+    bad_words: Sequence[Sequence[int]] = ()
+
+
+class Row:
+    """A request's decoding state; row i of the batch lives in slot i of both caches."""
+
+    def __init__(self, request: Request, draft_len: int):
+        self.request = request
+        self.draft_len = draft_len if request.num_draft_tokens is None \
+            else max(0, min(draft_len, request.num_draft_tokens))
+        self.stops = set(request.stop_token_ids)
+        self.prefilled = 0  # prompt tokens in the target cache
+        self.token: int | None = None  # the newest token, not yet in the target cache
+        self.context: list[torch.Tensor] = []  # (1, c, k*H) features not in the drafter cache
+        self.history = list(request.prompt_ids)  # what prompt lookup searches
+        self.generated = 0
+        self.finish: str | None = None
+        self.misses, self.rest, self.resting = 0, 1, 0  # back-off, as dflash.generate
+
+    @property
+    def decoding(self) -> bool:
+        return self.token is not None and self.finish is None
+
+
+def choose_width(confidences: Sequence[Sequence[float]],
+                 step_s: Callable[[int, int], float],
+                 acceptance: Callable[[float], float] | None = None) -> int:
+    """Tokens per row (1 + drafts) of the batch's verify forward that maximise the batch's expected
+    tokens per second: row r verifies min(width - 1, its drafts), and the forward over n rows of
+    that width costs step_s(n, width). With one row it is dflash.draft_length's choice."""
+    n = len(confidences)
+    longest = max((len(c) for c in confidences), default=0)
+    best_width, best_rate = 1, n / step_s(n, 1)
+    survive = [1.0] * n
+    expected = float(n)
+    for width in range(2, longest + 2):
+        for r, conf in enumerate(confidences):
+            if len(conf) >= width - 1:
+                c = conf[width - 2]
+                survive[r] *= acceptance(c) if acceptance is not None else c
+                expected += survive[r]
+        rate = expected / step_s(n, width)
+        if rate > best_rate:
+            best_width, best_rate = width, rate
+    return best_width
+
+
+class BatchDecoder:
+    """Rows of a batch and their caches; `prefill` and `decode` each advance every row one step.
+
+    choose: (per-row draft confidences, rows) -> verify width, or None to verify every draft.
+    pays: (acceptance per draft position, rows, drafting rows) -> whether the drafter pass is
+    worth running this step (dflash.draft_length.drafting_pays), or None to always draft. The
+    acceptance per position is measured here, on the drafts this decoder verified.
+    Lookup drafts carry confidence LOOKUP_CONFIDENCE for the chooser.
+    """
+
+    LOOKUP_CONFIDENCE = 0.5  # a prior, not a measurement: lookup drafts cost nothing to propose
+
+    def __init__(self, target, drafter, *, block_size: int, max_rows: int, max_seq_len: int,
+                 prompt_lookup: bool = False, backoff: bool = True,
+                 choose: Callable[[list[list[float]]], int] | None = None,
+                 pays: Callable[[list[float], int, int], bool] | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        self.target, self.drafter = target, drafter
+        self.block_size, self.max_rows = block_size, max_rows
+        self.prompt_lookup, self.backoff, self.choose, self.pays = prompt_lookup, backoff, choose, pays
+        self.prefill_chunk = prefill_chunk
+        self.draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
+        capacity = max_seq_len + block_size  # room for a padded verify past a row's end
+        self.kv = target.new_slot_cache(max_rows, capacity)
+        self.dkv = drafter.new_slot_cache(max_rows, capacity) if self.draft_len else None
+        self.rows: list[Row] = []
+        # Drafter drafts verified at each position with all before it accepted, and accepted.
+        self.tested = [0] * self.draft_len
+        self.passed = [0] * self.draft_len
+        self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
+
+    def position_rates(self) -> list[float]:
+        """P(draft i accepted | drafts before it accepted), measured, with a prior of 1/2."""
+        return [(a + 1) / (t + 2) for a, t in zip(self.passed, self.tested, strict=True)]
+
+    def add(self, request: Request) -> Row:
+        if len(self.rows) >= self.max_rows:
+            raise RuntimeError("batch full")
+        row = Row(request, self.draft_len)
+        self.kv.lengths[len(self.rows)] = 0
+        if self.dkv is not None:
+            self.dkv.lengths[len(self.rows)] = 0
+        self.rows.append(row)
+        return row
+
+    @torch.inference_mode()
+    def remove(self, row: Row) -> None:
+        """Free the row's slot at once: the last row moves into it."""
+        i, last = self.rows.index(row), len(self.rows) - 1
+        if i != last:
+            for cache in (self.kv, self.dkv):
+                if cache is not None:
+                    cache.move(last, i)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+
+    @torch.inference_mode()
+    def prefill(self) -> list[tuple[Row, Step]]:
+        """One prompt chunk for every row still in its prompt; the first token of those done."""
+        out = []
+        for i, row in enumerate(self.rows):
+            if row.token is not None or row.finish is not None:
+                continue
+            prompt = row.request.prompt_ids
+            chunk = list(prompt[row.prefilled:row.prefilled + self.prefill_chunk])
+            ids = torch.tensor([chunk], dtype=torch.long, device=self.target.device)
+            hidden, features = self.target.forward(ids, self.kv.view(i, i + 1, len(chunk)),
+                                                   self.dkv is not None)
+            self.kv.lengths[i] += len(chunk)
+            row.prefilled += len(chunk)
+            if self.dkv is not None:  # the prompt's features go into the drafter's cache now
+                self.feature_dim, self.feature_dtype = features.shape[-1], features.dtype
+                self.drafter.forward_rows(None, features, [len(chunk)],
+                                          self.dkv.view(i, i + 1, len(chunk)))
+                self.dkv.lengths[i] += len(chunk)
+            if row.prefilled < len(prompt):
+                continue
+            req = row.request
+            logits = without(self.target.logits(hidden[:, -1]), banned_next(prompt, req.bad_words))
+            row.token = int(req.sampler.sample(logits)[0])
+            row.history.append(row.token)
+            row.generated = 1
+            row.finish = "eos" if row.token in row.stops else \
+                "length" if req.max_new_tokens <= 1 else None
+            out.append((row, Step([row.token], 0, 0, row.finish)))
+        return out
+
+    def _drafts(self, row: Row) -> tuple[list[int], object, str | None, list[float], bool]:
+        """(drafts, q, source, confidence, wants the drafter) for a decoding row."""
+        k = min(row.draft_len, row.request.max_new_tokens - row.generated - 1)
+        if k <= 0:
+            return [], None, None, [], False
+        if self.prompt_lookup:
+            drafts, q = copied_drafts(self.target, lookup_drafts(row.history, k), row.request.sampler)
+            if drafts:
+                return drafts, q, "lookup", [self.LOOKUP_CONFIDENCE] * len(drafts), False
+        if row.resting:
+            row.resting -= 1
+            return [], None, None, [], False
+        return [], None, "dflash", [], True
+
+    def _draft_all(self, wanted: list[int], plans: list) -> None:
+        """One drafter pass over every row (those not drafting absorb their new context)."""
+        n, device = len(self.rows), self.target.device
+        pending = [torch.cat(r.context, dim=1)[0] if r.context else None for r in self.rows]
+        lengths = [0 if p is None else p.shape[0] for p in pending]
+        context = torch.zeros(n, max(lengths), self.feature_dim, dtype=self.feature_dtype,
+                              device=device)  # (n, C, k*H), right-padded
+        for r, p in enumerate(pending):
+            if p is not None:
+                context[r, :p.shape[0]] = p
+        block = torch.full((n, self.block_size), self.drafter.mask_token_id, dtype=torch.long,
+                           device=device)
+        block[:, 0] = torch.tensor([r.token if r.token is not None else self.drafter.mask_token_id
+                                    for r in self.rows], device=device)
+        hidden = self.drafter.forward_rows(self.target.embed(block), context, lengths,
+                                           self.dkv.view(0, n, max(lengths)))  # (n, B, H)
+        for r, row in enumerate(self.rows):
+            self.dkv.lengths[r] += lengths[r]
+            row.context = []
+        # The drafts' LM-head rows for every drafting row in one matmul, then each row's picks.
+        vocab = getattr(self.drafter, "draft_vocab", None)
+        counts = [min(self.rows[r].draft_len,
+                      self.rows[r].request.max_new_tokens - self.rows[r].generated - 1)
+                  for r in wanted]
+        drafted = torch.cat([hidden[r, 1:k + 1] for r, k in zip(wanted, counts, strict=True)])
+        logits = self.target.logits(drafted) if vocab is None \
+            else self.target.logits_rows(drafted, vocab)  # (sum k, V) or (sum k, K)
+        for r, part in zip(wanted, logits.split(counts), strict=True):
+            sampler = self.rows[r].request.sampler
+            plans[r] = (*pick_drafts(part, vocab, sampler, self.target.vocab_size), "dflash")
+
+    @torch.inference_mode()
+    def decode(self) -> list[tuple[Row, Step]]:
+        """One verify forward for every decoding row."""
+        rows = self.rows
+        live = [r for r, row in enumerate(rows) if row.decoding]
+        if not live:
+            return []
+        # 1. Drafts: lookup where it matches, else the drafter (one pass for all), else none.
+        plans: list = [None] * len(rows)  # (drafts, q, confidence, source) per row
+        wanted = []
+        for r in live:
+            drafts, q, source, confidence, wants = self._drafts(rows[r])
+            plans[r] = (drafts, q, confidence, source)
+            if wants:
+                wanted.append(r)
+        if wanted and self.pays is not None \
+                and not self.pays(self.position_rates(), len(live), len(wanted)):
+            for r in wanted:  # a plain step: at this load the drafter costs more than it brings
+                plans[r] = ([], None, [], None)
+            wanted = []
+        if wanted:
+            self._draft_all(wanted, plans)
+        # 2. The verify width for the whole batch; each row keeps that many leading drafts.
+        if self.choose is not None:
+            width = self.choose([plans[r][2] for r in live])
+        else:
+            width = 1 + max(len(plans[r][0]) for r in live)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
+        kept = {}
+        for r in live:
+            drafts, q, confidence, source = plans[r]
+            drafts = drafts[:width - 1]
+            kept[r] = (drafts, None if q is None else q[:len(drafts)], confidence, source)
+            ids[r, :1 + len(drafts)] = torch.tensor([rows[r].token, *drafts])
+        # 3. One forward verifies every row (rows still in their prompt ride along, ignored).
+        starts = list(self.kv.lengths[:len(rows)])
+        hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
+                                               self.dkv is not None)
+        # Every row's first logits in one LM-head call; further rows only where drafts pass.
+        first = dict(zip(kept, self.target.logits(hidden[list(kept), 0]), strict=True))
+        return [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
+                for r, plan in kept.items()]
+
+    def _accept(self, r, start, hidden, features, first, drafts, q, confidence, source) -> Step:
+        row, req = self.rows[r], self.rows[r].request
+        bad = req.bad_words
+        logits = LazyLogits(self.target, hidden[r:r + 1, :len(drafts) + 1], lambda i, d=drafts: (
+            banned_next(row.history + d[:i], bad) if bad else []), first)
+        if req.sampler.greedy:
+            n, bonus = accept_greedy(logits, drafts)
+        else:
+            n, bonus = accept_sampled(logits, drafts, q, req.sampler)
+        new_tokens = [*drafts[:n], bonus]
+        if source == "dflash":
+            for i in range(min(n + 1, len(drafts))):  # position i was reached; accepted if < n
+                self.tested[i] += 1
+                self.passed[i] += i < n
+        if self.backoff and source == "dflash":
+            row.misses, row.rest = (row.misses + 1, row.rest) if n == 0 else (0, 1)
+            if row.misses >= BACKOFF_PATIENCE:
+                row.misses, row.resting, row.rest = 0, row.rest, min(2 * row.rest, BACKOFF_MAX)
+        self.kv.lengths[r] = start + n + 1  # token, d1..dn
+        if features is not None:
+            row.context.append(features[r:r + 1, :n + 1])
+        row.token = bonus
+        hit = next((i for i, t in enumerate(new_tokens) if t in row.stops), None)
+        if hit is not None:
+            new_tokens, row.finish = new_tokens[:hit + 1], "eos"
+        row.generated += len(new_tokens)
+        row.history.extend(new_tokens)
+        if row.finish is None and row.generated >= req.max_new_tokens:
+            row.finish = "length"
+        return Step(new_tokens, len(drafts), n, row.finish, source,
+                    tuple(confidence[:len(drafts)]) if source == "dflash" else ())
+

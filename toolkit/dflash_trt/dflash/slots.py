@@ -1,0 +1,84 @@
+"""A KV cache for a batch of sequences that each have their own length (continuous batching).
+
+Each layer's keys and values live in one buffer (rows, kv_heads, capacity, head_dim); row r holds
+its sequence's positions 0 .. length[r]-1 at slots 0 .. length[r]-1, so a slot index is a
+position. A forward over rows lo..hi-1 with T new tokens per row writes them at each row's own
+length (`SlotView`), and every query attends to the slots before it in its own row: the mask is
+`slot <= length[r] + t`. Rows that bring fewer than T real tokens are padded; the padding writes
+past the row's length, where nothing reads it and the next forward overwrites it. After a
+verify forward the caller sets each row's length to what it accepted (a per-row crop).
+
+Active rows are kept contiguous (0 .. n-1) so a batched forward reads views, not gathers: a
+finished row's slot is refilled by moving the last row into it (`move`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotCache:
+    """Keys and values of up to `rows` sequences, `capacity` positions each, per layer."""
+
+    def __init__(self, num_layers: int, rows: int, capacity: int):
+        self.rows, self.capacity = rows, capacity
+        self.lengths = [0] * rows  # valid positions per row
+        self._keys: list[torch.Tensor | None] = [None] * num_layers  # (rows, nkv, capacity, hd)
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+
+    def view(self, lo: int, hi: int, width: int) -> SlotView:
+        """Rows lo..hi-1, each about to receive `width` new positions at its length."""
+        top = max(self.lengths[lo:hi]) + width
+        if top > self.capacity:
+            raise ValueError(f"slot cache full: {top} positions > capacity {self.capacity}")
+        return SlotView(self, lo, hi, width)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's sequence becomes row dst's (src's slot is free afterwards)."""
+        n = self.lengths[src]
+        for buf in (*self._keys, *self._values):
+            if buf is not None:
+                buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
+    def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers, allocated on first use in the shape and dtype of `like`."""
+        if self._keys[layer] is None:
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            self._keys[layer], self._values[layer] = like.new_zeros(shape), like.new_zeros(shape)
+        return self._keys[layer], self._values[layer]
+
+
+class SlotView:
+    """What one forward over rows lo..hi-1 sees: the Hugging Face cache protocol (`update`) plus
+    the positions and mask of its new tokens."""
+
+    def __init__(self, cache: SlotCache, lo: int, hi: int, width: int):
+        self.cache, self.lo, self.hi, self.width = cache, lo, hi, width
+        self.starts = cache.lengths[lo:hi]  # (n,) where each row's new tokens go
+        self.top = max(self.starts) + width  # slots any row of this forward may read
+
+    def positions(self, device) -> torch.Tensor:
+        """(n, width) position of each new token."""
+        start = torch.tensor(self.starts, device=device)[:, None]
+        return start + torch.arange(self.width, device=device)[None]
+
+    def causal_mask(self, device) -> torch.Tensor:
+        """(n, 1, width, top) bool: new token t of row r sees slots <= start[r] + t."""
+        slots = torch.arange(self.top, device=device)[None, None]  # (1, 1, top)
+        return (slots <= self.positions(device)[:, :, None])[:, None]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (n, nkv, width, hd) at each row's start; return (n, nkv, top, hd) views."""
+        keys, values = self.cache.layer(layer, k)
+        for i, start in enumerate(self.starts):  # a slice copy per row: n is small
+            keys[self.lo + i, :, start:start + self.width] = k[i]
+            values[self.lo + i, :, start:start + self.width] = v[i]
+        return keys[self.lo:self.hi, :, :self.top], values[self.lo:self.hi, :, :self.top]
+
+    def update(self, key_states, value_states, layer_idx: int, *_args, **_kwargs):
+        """The transformers Cache call each attention layer makes."""
+        return self.write(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, _layer: int = 0) -> int:
+        return self.top - self.width
