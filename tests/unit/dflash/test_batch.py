@@ -183,7 +183,7 @@ def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
 
     def pays(rates, rows, drafting):
         calls.append((rows, drafting))
-        return len(calls) > 10  # plain for 10 steps, then drafting
+        return len(calls) > 10  # plain for 10 steps (fewer than PROBE_EVERY), then drafting
 
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=3, max_seq_len=128,
                            backoff=False, pays=pays)
@@ -195,3 +195,19 @@ def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
     drafted = [s.num_draft_tokens for _, s in steps[3:]]
     assert drafted[:30] == [0] * 30 and sum(drafted[30:]) > 0
     assert calls[0] == (3, 3) and sum(decoder.tested) > 0
+
+
+def test_a_drafter_that_never_pays_is_still_probed(setup):
+    """After PROBE_EVERY declined steps one step drafts anyway, so the measured acceptance can
+    recover when the traffic changes."""
+    from dflash_trt.dflash.batch import PROBE_EVERY
+
+    target, drafter, prompts, _, _ = setup
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
+                           backoff=False, pays=lambda rates, rows, drafting: False)
+    decoder.add(Request(prompts[0], 2 * PROBE_EVERY + 4))
+    steps = decoder.prefill()
+    while decoder.rows[0].finish is None:
+        steps += decoder.decode()
+    drafted = [i for i, (_, s) in enumerate(steps[1:]) if s.num_draft_tokens]
+    assert drafted == [PROBE_EVERY, 2 * PROBE_EVERY + 1]

@@ -39,6 +39,11 @@ from dflash_trt.dflash.lookup import lookup_drafts
 from dflash_trt.dflash.sampling import Sampler, banned_next, without
 
 PREFILL_CHUNK = 512  # prompt tokens per row per step: a long prompt does not stall the batch
+# The measured acceptance per position only changes while the drafter drafts: after PROBE_EVERY
+# steps in a row that skipped it, one step drafts anyway, and older outcomes weigh less (each
+# verified drafter row scales the counts by FORGET), so the estimate follows the traffic.
+PROBE_EVERY = 16
+FORGET = 0.995
 
 
 @dataclass
@@ -124,8 +129,9 @@ class BatchDecoder:
         self.dkv = drafter.new_slot_cache(max_rows, capacity) if self.draft_len else None
         self.rows: list[Row] = []
         # Drafter drafts verified at each position with all before it accepted, and accepted.
-        self.tested = [0] * self.draft_len
-        self.passed = [0] * self.draft_len
+        self.tested = [0.0] * self.draft_len
+        self.passed = [0.0] * self.draft_len
+        self.skipped = 0  # steps in a row whose drafter pass `pays` declined
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
     def position_rates(self) -> list[float]:
@@ -244,11 +250,14 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        if wanted and self.pays is not None \
+        if wanted and self.pays is not None and self.skipped < PROBE_EVERY \
                 and not self.pays(self.position_rates(), len(live), len(wanted)):
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
             wanted = []
+            self.skipped += 1
+        elif wanted:
+            self.skipped = 0
         if wanted:
             self._draft_all(wanted, plans)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
@@ -283,6 +292,8 @@ class BatchDecoder:
             n, bonus = accept_sampled(logits, drafts, q, req.sampler)
         new_tokens = [*drafts[:n], bonus]
         if source == "dflash":
+            self.tested = [t * FORGET for t in self.tested]
+            self.passed = [a * FORGET for a in self.passed]
             for i in range(min(n + 1, len(drafts))):  # position i was reached; accepted if < n
                 self.tested[i] += 1
                 self.passed[i] += i < n
