@@ -109,7 +109,6 @@ def test_grpc_streaming_equals_the_engine(grpc, engine):
     # reference verifies per its own chooser. The tiny random drafter is never accepted, so the
     # accepted counts and the tokens per step still agree.
     assert last.total_accepted_draft_tokens == want.total_accepted_draft_tokens == 0
-    assert last.total_draft_tokens >= 0
     assert last.acceptance_length == pytest.approx(want.acceptance_length, rel=1e-5)
 
 

@@ -148,7 +148,7 @@ def test_sampled_requests_in_a_batch_are_reproducible_by_seed(dirs, references):
         engine.close()
 
 
-def test_half_precision_and_sliding_windows_refuse_batching(dirs):
+def test_half_precision_refuses_batching(dirs):
     from dflash_trt.errors import UsageError
 
     with pytest.raises(UsageError, match="row-wise attention.*max_batch_size: 1"):
