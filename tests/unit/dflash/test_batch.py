@@ -194,20 +194,56 @@ def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
     assert [[t for row, s in steps if row is mine for t in s.token_ids] for mine in rows] == refs
     drafted = [s.num_draft_tokens for _, s in steps[3:]]
     assert drafted[:30] == [0] * 30 and sum(drafted[30:]) > 0
-    assert calls[0] == (3, 3) and sum(decoder.tested) > 0
+    assert calls[0] == (3, 3) and sum(decoder.tally["dflash"].tested) > 0
 
 
 def test_a_drafter_that_never_pays_is_still_probed(setup):
     """After PROBE_EVERY declined steps one step drafts anyway, so the measured acceptance can
-    recover when the traffic changes."""
+    recover when the traffic changes; a probe that still does not pay doubles the wait."""
     from dflash_trt.dflash.batch import PROBE_EVERY
 
     target, drafter, prompts, _, _ = setup
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                            backoff=False, pays=lambda rates, rows, drafting: False)
-    decoder.add(Request(prompts[0], 2 * PROBE_EVERY + 4))
+    decoder.add(Request(prompts[0], 4 * PROBE_EVERY))  # >= 3 * PROBE_EVERY + 2 steps
     steps = decoder.prefill()
     while decoder.rows[0].finish is None:
         steps += decoder.decode()
     drafted = [i for i, (_, s) in enumerate(steps[1:]) if s.num_draft_tokens]
-    assert drafted == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    assert drafted == [PROBE_EVERY, 3 * PROBE_EVERY + 1]
+
+
+def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, monkeypatch):
+    """Lookup drafts cost nothing to propose but widen the verify: the chooser gets lookup's own
+    measured acceptance per position (prior 1/2), and the output stays plain greedy. Lookup here
+    drafts the reference's next token, then a wrong one, so position 1 passes and 2 never does."""
+    from dflash_trt.dflash import batch
+
+    target, drafter, prompts, _, _ = setup
+    prompt = prompts[1]
+    ref = gen.generate(HFTarget(target.model), None, prompt, max_new_tokens=40, block_size=1)[0]
+
+    def lookup(history, k):
+        done = len(history) - len(prompt)
+        right = ref[done:done + 1]
+        return [*right, (right[0] + 1) % VOCAB] if right and k >= 2 else []
+
+    monkeypatch.setattr(batch, "lookup_drafts", lookup)
+    seen = []
+
+    def choose(chances):
+        seen.append(chances[0])
+        return 1 + len(chances[0])
+
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
+                           backoff=False, prompt_lookup=True, choose=choose)
+    row = decoder.add(Request(prompt, 40))
+    steps = decoder.prefill()
+    while row.finish is None:
+        steps += decoder.decode()
+    assert [t for _, s in steps for t in s.token_ids] == ref
+    lookup_steps = [c for c, (_, s) in zip(seen, steps[1:], strict=True)
+                    if s.draft_source == "lookup"]
+    assert len(lookup_steps) > 10 and lookup_steps[0] == [0.5, 0.5]
+    first, second = lookup_steps[-1]
+    assert first > 0.9 and second < 0.15  # measured: draft 1 always passed, draft 2 never

@@ -41,9 +41,30 @@ from dflash_trt.dflash.sampling import Sampler, banned_next, without
 PREFILL_CHUNK = 512  # prompt tokens per row per step: a long prompt does not stall the batch
 # The measured acceptance per position only changes while the drafter drafts: after PROBE_EVERY
 # steps in a row that skipped it, one step drafts anyway, and older outcomes weigh less (each
-# verified drafter row scales the counts by FORGET), so the estimate follows the traffic.
+# verified row scales its source's counts by FORGET), so the estimate follows the traffic. A probe
+# that still finds drafting not worth it doubles the wait before the next one, up to PROBE_MAX.
 PROBE_EVERY = 16
+PROBE_MAX = 256
 FORGET = 0.995
+
+
+class Tally:
+    """Measured P(draft i accepted | drafts before it accepted) for one source of drafts, with a
+    prior of 1/2 and old outcomes fading by FORGET per verified row."""
+
+    def __init__(self, positions: int):
+        self.tested = [0.0] * positions
+        self.passed = [0.0] * positions
+
+    def rates(self) -> list[float]:
+        return [(a + 1) / (t + 2) for a, t in zip(self.passed, self.tested, strict=True)]
+
+    def record(self, accepted: int, drafts: int) -> None:
+        self.tested = [t * FORGET for t in self.tested]
+        self.passed = [a * FORGET for a in self.passed]
+        for i in range(min(accepted + 1, drafts)):  # position i was reached; accepted if < n
+            self.tested[i] += 1
+            self.passed[i] += i < accepted
 
 
 @dataclass
@@ -79,22 +100,20 @@ class Row:
         return self.token is not None and self.finish is None
 
 
-def choose_width(confidences: Sequence[Sequence[float]],
-                 step_s: Callable[[int, int], float],
-                 acceptance: Callable[[float], float] | None = None) -> int:
+def choose_width(chances: Sequence[Sequence[float]], step_s: Callable[[int, int], float]) -> int:
     """Tokens per row (1 + drafts) of the batch's verify forward that maximise the batch's expected
-    tokens per second: row r verifies min(width - 1, its drafts), and the forward over n rows of
-    that width costs step_s(n, width). With one row it is dflash.draft_length's choice."""
-    n = len(confidences)
-    longest = max((len(c) for c in confidences), default=0)
+    tokens per second: row r verifies min(width - 1, its drafts), draft i passing with probability
+    chances[r][i] once those before it passed, and the forward over n rows of that width costs
+    step_s(n, width). With one row it is dflash.draft_length's choice."""
+    n = len(chances)
+    longest = max((len(c) for c in chances), default=0)
     best_width, best_rate = 1, n / step_s(n, 1)
     survive = [1.0] * n
     expected = float(n)
     for width in range(2, longest + 2):
-        for r, conf in enumerate(confidences):
-            if len(conf) >= width - 1:
-                c = conf[width - 2]
-                survive[r] *= acceptance(c) if acceptance is not None else c
+        for r, chance in enumerate(chances):
+            if len(chance) >= width - 1:
+                survive[r] *= chance[width - 2]
                 expected += survive[r]
         rate = expected / step_s(n, width)
         if rate > best_rate:
@@ -105,38 +124,38 @@ def choose_width(confidences: Sequence[Sequence[float]],
 class BatchDecoder:
     """Rows of a batch and their caches; `prefill` and `decode` each advance every row one step.
 
-    choose: (per-row draft confidences, rows) -> verify width, or None to verify every draft.
-    pays: (acceptance per draft position, rows, drafting rows) -> whether the drafter pass is
-    worth running this step (dflash.draft_length.drafting_pays), or None to always draft. The
-    acceptance per position is measured here, on the drafts this decoder verified.
-    Lookup drafts carry confidence LOOKUP_CONFIDENCE for the chooser.
+    choose: (per-row chance of each draft passing) -> verify width, or None to verify every
+    draft. A drafter draft's chance is acceptance(its confidence) (the confidence itself without
+    a calibration); a lookup draft's is lookup's acceptance at its position, measured here.
+    pays: (the drafter's acceptance per draft position, rows, drafting rows) -> whether the
+    drafter pass is worth running this step (dflash.draft_length.drafting_pays), or None to always
+    draft. The acceptance per position is measured here, on the drafts this decoder verified.
     """
-
-    LOOKUP_CONFIDENCE = 0.5  # a prior, not a measurement: lookup drafts cost nothing to propose
 
     def __init__(self, target, drafter, *, block_size: int, max_rows: int, max_seq_len: int,
                  prompt_lookup: bool = False, backoff: bool = True,
                  choose: Callable[[list[list[float]]], int] | None = None,
                  pays: Callable[[list[float], int, int], bool] | None = None,
+                 acceptance: Callable[[float], float] | None = None,
                  prefill_chunk: int = PREFILL_CHUNK):
         self.target, self.drafter = target, drafter
         self.block_size, self.max_rows = block_size, max_rows
         self.prompt_lookup, self.backoff, self.choose, self.pays = prompt_lookup, backoff, choose, pays
+        self.acceptance = acceptance
         self.prefill_chunk = prefill_chunk
         self.draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
         capacity = max_seq_len + block_size  # room for a padded verify past a row's end
         self.kv = target.new_slot_cache(max_rows, capacity)
         self.dkv = drafter.new_slot_cache(max_rows, capacity) if self.draft_len else None
         self.rows: list[Row] = []
-        # Drafter drafts verified at each position with all before it accepted, and accepted.
-        self.tested = [0.0] * self.draft_len
-        self.passed = [0.0] * self.draft_len
+        self.tally = {"dflash": Tally(self.draft_len), "lookup": Tally(self.draft_len)}
         self.skipped = 0  # steps in a row whose drafter pass `pays` declined
+        self.probe_every = PROBE_EVERY
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
-    def position_rates(self) -> list[float]:
-        """P(draft i accepted | drafts before it accepted), measured, with a prior of 1/2."""
-        return [(a + 1) / (t + 2) for a, t in zip(self.passed, self.tested, strict=True)]
+    def position_rates(self, source: str = "dflash") -> list[float]:
+        """P(draft i accepted | drafts before it accepted) for a source, measured (Tally)."""
+        return self.tally[source].rates()
 
     def add(self, request: Request) -> Row:
         if len(self.rows) >= self.max_rows:
@@ -198,7 +217,7 @@ class BatchDecoder:
         if self.prompt_lookup:
             drafts, q = copied_drafts(self.target, lookup_drafts(row.history, k), row.request.sampler)
             if drafts:
-                return drafts, q, "lookup", [self.LOOKUP_CONFIDENCE] * len(drafts), False
+                return drafts, q, "lookup", self.position_rates("lookup")[:len(drafts)], False
         if row.resting:
             row.resting -= 1
             return [], None, None, [], False
@@ -250,19 +269,21 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        if wanted and self.pays is not None and self.skipped < PROBE_EVERY \
-                and not self.pays(self.position_rates(), len(live), len(wanted)):
-            for r in wanted:  # a plain step: at this load the drafter costs more than it brings
-                plans[r] = ([], None, [], None)
-            wanted = []
-            self.skipped += 1
-        elif wanted:
-            self.skipped = 0
+        if wanted and self.pays is not None:
+            if self.pays(self.position_rates(), len(live), len(wanted)):
+                self.skipped, self.probe_every = 0, PROBE_EVERY
+            elif self.skipped >= self.probe_every:  # a probe: draft anyway, wait longer next time
+                self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
+            else:  # a plain step: at this load the drafter costs more than it brings
+                for r in wanted:
+                    plans[r] = ([], None, [], None)
+                wanted = []
+                self.skipped += 1
         if wanted:
             self._draft_all(wanted, plans)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
         if self.choose is not None:
-            width = self.choose([plans[r][2] for r in live])
+            width = self.choose([self._chances(*plans[r][2:]) for r in live])
         else:
             width = 1 + max(len(plans[r][0]) for r in live)
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
@@ -281,6 +302,12 @@ class BatchDecoder:
         return [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
                 for r, plan in kept.items()]
 
+    def _chances(self, confidence: list[float], source: str | None) -> list[float]:
+        """Each draft's chance of passing once those before it passed, for the chooser."""
+        if source == "dflash" and self.acceptance is not None:
+            return [self.acceptance(c) for c in confidence]
+        return confidence  # the drafter's raw confidence, or lookup's measured rates
+
     def _accept(self, r, start, hidden, features, first, drafts, q, confidence, source) -> Step:
         row, req = self.rows[r], self.rows[r].request
         bad = req.bad_words
@@ -291,12 +318,8 @@ class BatchDecoder:
         else:
             n, bonus = accept_sampled(logits, drafts, q, req.sampler)
         new_tokens = [*drafts[:n], bonus]
-        if source == "dflash":
-            self.tested = [t * FORGET for t in self.tested]
-            self.passed = [a * FORGET for a in self.passed]
-            for i in range(min(n + 1, len(drafts))):  # position i was reached; accepted if < n
-                self.tested[i] += 1
-                self.passed[i] += i < n
+        if source is not None and drafts:
+            self.tally[source].record(n, len(drafts))
         if self.backoff and source == "dflash":
             row.misses, row.rest = (row.misses + 1, row.rest) if n == 0 else (0, 1)
             if row.misses >= BACKOFF_PATIENCE:

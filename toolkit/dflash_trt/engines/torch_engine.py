@@ -177,11 +177,11 @@ class TorchEngine:
         return partial(choose_draft_length, costs=self.cost_model.costs,
                        acceptance=self.acceptance)
 
-    def _choose_width(self, confidences: list[list[float]]) -> int:
+    def _choose_width(self, chances: list[list[float]]) -> int:
         """The batch's verify width from the cost model (dflash.batch.choose_width)."""
         from dflash_trt.dflash.batch import choose_width
 
-        return choose_width(confidences, self.cost_model.step_s, self.acceptance)
+        return choose_width(chances, self.cost_model.step_s)
 
     def _batch(self):
         """The scheduler of batched serving, started on first use."""
@@ -205,7 +205,8 @@ class TorchEngine:
                                max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
                                prompt_lookup=self.prompt_lookup, backoff=self.draft_backoff,
                                choose=self._choose_width if adaptive else None,
-                               pays=self._drafting_pays if adaptive else None)
+                               pays=self._drafting_pays if adaptive else None,
+                               acceptance=self.acceptance)
         self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
                                     queue_timeout_s=self.queue_timeout_s)
         return self._scheduler
