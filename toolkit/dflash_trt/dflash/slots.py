@@ -63,8 +63,13 @@ class SlotView:
         start = torch.tensor(self.starts, device=device)[:, None]
         return start + torch.arange(self.width, device=device)[None]
 
-    def causal_mask(self, device) -> torch.Tensor:
-        """(n, 1, width, top) bool: new token t of row r sees slots <= start[r] + t."""
+    def causal_mask(self, device) -> torch.Tensor | None:
+        """(n, 1, width, top) bool: new token t of row r sees slots <= start[r] + t; None when
+        every row starts at the same slot, where the model's own causal mask over this cache
+        (`get_mask_sizes`, `get_query_offset`) is the same one. Without a mask, attention takes
+        its fast paths (no mask at one new token, grouped KV heads without copies)."""
+        if len(set(self.starts)) == 1:
+            return None
         slots = torch.arange(self.top, device=device)[None, None]  # (1, 1, top)
         return (slots <= self.positions(device)[:, :, None])[:, None]
 
@@ -82,3 +87,11 @@ class SlotView:
 
     def get_seq_length(self, _layer: int = 0) -> int:
         return self.top - self.width
+
+    def get_query_offset(self, _layer: int = 0) -> int:
+        """transformers' mask protocol: where the new tokens start (the same in every row)."""
+        return self.top - self.width
+
+    def get_mask_sizes(self, query_length: int, _layer: int = 0) -> tuple[int, int]:
+        """transformers' mask protocol: (keys attended, offset of the first)."""
+        return self.top - self.width + query_length, 0

@@ -55,7 +55,8 @@ class HFTarget:
 
         Features are the chosen layers' outputs (hidden_states[id + 1]) concatenated: (B, T, k*H).
         Positions continue from the cache length, which the caller keeps cropped; with a SlotView
-        each row continues from its own length (a mask and positions per row).
+        each row continues from its own length (positions per row, and a mask per row unless all
+        rows start at the same slot).
         """
         rows = {}
         if isinstance(cache, SlotView):

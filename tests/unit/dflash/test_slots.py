@@ -1,0 +1,50 @@
+"""dflash.slots: a slot-cache forward equals a DynamicCache forward, with and without a mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dflash_fixtures import random_prompts, tiny_target
+
+from dflash_trt.dflash.target import HFTarget
+
+
+@pytest.fixture(scope="module")
+def target():
+    return HFTarget(tiny_target("llama").double())
+
+
+def reference(target, prompt, new):
+    """Hidden states of `new` after `prompt`, through the model's own DynamicCache."""
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), cache, False)
+    return target.forward(torch.tensor([new]), cache, False)[0][0]
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_rows_at_one_start_need_no_mask_and_match_the_dynamic_cache(target, width):
+    prompts = [p[:12] for p in random_prompts(2, seed=1, low=12, high=20)]
+    new = [[5, 6, 7][:width], [9, 10, 11][:width]]
+    slots = target.new_slot_cache(2, 64)
+    target.forward(torch.tensor(prompts), slots.view(0, 2, 12), False)
+    slots.lengths[:2] = [12, 12]
+    view = slots.view(0, 2, width)
+    assert view.causal_mask(torch.device("cpu")) is None
+    hidden = target.forward(torch.tensor(new), view, False)[0]
+    for r in range(2):
+        torch.testing.assert_close(hidden[r], reference(target, prompts[r], new[r]),
+                                   rtol=0, atol=1e-12)
+
+
+def test_rows_at_different_starts_are_masked_each_to_its_own_length(target):
+    prompts = random_prompts(3, seed=2, low=3, high=20)
+    slots = target.new_slot_cache(3, 64)
+    for r, p in enumerate(prompts):  # one row at a time: each its own length
+        target.forward(torch.tensor([p]), slots.view(r, r + 1, len(p)), False)
+        slots.lengths[r] = len(p)
+    new = [[4, 8], [15, 16], [23, 42]]
+    view = slots.view(0, 3, 2)
+    assert view.causal_mask(torch.device("cpu")) is not None
+    hidden = target.forward(torch.tensor(new), view, False)[0]
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(hidden[r], reference(target, p, new[r]), rtol=0, atol=1e-12)
