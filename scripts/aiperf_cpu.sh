@@ -9,6 +9,8 @@
 # AIPerf is a benchmark tool, not a dependency: it gets its own virtual environment ($AIPERF_VENV,
 # created on first use). Synthetic prompts of INPUT_TOKENS tokens (AIPerf's own corpus), OUTPUT_TOKENS
 # requested per answer, greedy, streaming. Results land in $OUT/c<N>/ (AIPerf's export files).
+# AIPerf's scraping of server metrics and GPU telemetry is off: there is no GPU here, and on a small
+# CPU machine the client's own processes take cores from the server it measures.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -57,5 +59,6 @@ for c in $CONCURRENCY; do
     --synthetic-input-tokens-mean "$INPUT_TOKENS" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "$OUTPUT_TOKENS" --output-tokens-stddev 0 \
     --concurrency "$c" --request-count "$REQUESTS" --warmup-request-count 1 \
-    --random-seed 0 --output-artifact-dir "$OUT/c$c" --ui-type none
+    --random-seed 0 --output-artifact-dir "$OUT/c$c" --ui-type none \
+    --no-server-metrics --no-gpu-telemetry
 done

@@ -14,14 +14,20 @@ VOCAB = 128
 torch.set_num_threads(1)
 
 
-def tiny_target(family: str = "llama", *, seed: int = 0, layers: int = 4):
-    """A tiny random Llama or Qwen3 causal LM (float32, eval, sdpa attention)."""
+def tiny_target(family: str = "llama", *, seed: int = 0, layers: int = 4,
+                attention: str | None = None):
+    """A tiny random Llama or Qwen3 causal LM (float32, eval, the attention the engine runs in
+    float32: dflash.attention's gqa_sdpa)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
                   bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if attention is None:
+        from dflash_trt.dflash.attention import register_gqa
+
+        attention = register_gqa()
     torch.manual_seed(seed)
     if family == "llama":
         config = LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -29,7 +35,7 @@ def tiny_target(family: str = "llama", *, seed: int = 0, layers: int = 4):
     else:
         config = Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         model = Qwen3ForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attention
     return model.eval()
 
 

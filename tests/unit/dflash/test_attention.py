@@ -40,7 +40,7 @@ def _chunks(total, seed):
 def test_half_precision_runs_the_rowwise_implementation():
     assert attention.implementation_for(torch.bfloat16) == attention.NAME
     assert attention.implementation_for(torch.float16) == attention.NAME
-    assert attention.implementation_for(torch.float32) == "sdpa"
+    assert attention.implementation_for(torch.float32) == attention.GQA_NAME
 
 
 @pytest.mark.parametrize("prompt_len", [3, 37, 130])

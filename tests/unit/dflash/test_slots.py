@@ -48,3 +48,29 @@ def test_rows_at_different_starts_are_masked_each_to_its_own_length(target):
     hidden = target.forward(torch.tensor(new), view, False)[0]
     for r, p in enumerate(prompts):
         torch.testing.assert_close(hidden[r], reference(target, p, new[r]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gqa_sdpa_computes_what_sdpa_computes(family):
+    """The engine's float32/float64 attention keeps grouped KV heads under a mask; float64 agrees
+    with transformers' sdpa (which copies the heads out) on a prompt, on rows at one start and on
+    rows at different starts."""
+    models = [HFTarget(tiny_target(family, attention=a).double()) for a in ("sdpa", None)]
+    assert models[1].model.config._attn_implementation == "gqa_sdpa"
+    prompts = random_prompts(3, seed=5, low=3, high=20)
+    outs = []
+    for target in models:
+        slots = target.new_slot_cache(3, 64)
+        hidden = []
+        for r, p in enumerate(prompts):
+            hidden.append(target.forward(torch.tensor([p]), slots.view(r, r + 1, len(p)),
+                                         False)[0][0])
+            slots.lengths[r] = len(p)
+        hidden.append(target.forward(torch.tensor([[1, 2], [3, 4], [5, 6]]),
+                                     slots.view(0, 3, 2), False)[0])  # masked
+        slots.lengths[:3] = [30, 30, 30]  # past the prompts: rows at one start, no mask
+        hidden.append(target.forward(torch.tensor([[7], [8], [9]]), slots.view(0, 3, 1),
+                                     False)[0])
+        outs.append(hidden)
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

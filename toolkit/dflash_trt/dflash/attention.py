@@ -1,4 +1,13 @@
-"""Attention whose result for a query row does not depend on how many rows run with it.
+"""The target's attention: row-wise in half precision (below), grouped-KV sdpa otherwise.
+
+**gqa_sdpa** (float32, float64). transformers' sdpa copies grouped key/value heads out to every
+query head whenever it passes a mask, and a batch with rows of their own lengths always has one
+(dflash.slots). torch's sdpa takes the groups as they are (`enable_gqa`) with a mask too: per
+layer of SmolLM2 on this CPU, 8 rows x 300 keys took 0.3 ms instead of 3.0 ms, 4 x 160 0.13 ms
+instead of 0.27. Same arithmetic otherwise (masks are built as for sdpa).
+
+**rowwise_sdpa**: attention whose result for a query row does not depend on how many rows run
+with it.
 
 Speculative decoding is lossless only if a k-token verify forward computes, for each of its
 tokens, what a 1-token decoding step would. In bfloat16 on a CPU the linear layers already do
@@ -17,6 +26,7 @@ implementation, and a batch is refused. Not for sliding-window models (implement
 from __future__ import annotations
 
 NAME = "rowwise_sdpa"  # transformers treats any name containing "flash" as flash attention
+GQA_NAME = "gqa_sdpa"
 MAX_ROWS = 64  # above this a forward is a prompt chunk, not a verify block: one masked call
 
 
@@ -46,6 +56,30 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
+def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  is_causal=None, **_kwargs):
+    """(B, heads, T, D) query against (B, kv_heads, S, D) keys, mask (B, 1, T, S) or None ->
+    (B, T, heads, D); without a mask, causal when T > 1 (the keys are then the query's own)."""
+    import torch.nn.functional as F
+
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                         dropout_p=dropout, scale=scaling, is_causal=is_causal,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_gqa() -> str:
+    """Make GQA_NAME a transformers attention implementation, masks as sdpa's (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_NAME, gqa_attention)
+    AttentionMaskInterface.register(GQA_NAME, sdpa_mask)
+    return GQA_NAME
+
+
 def register() -> str:
     """Make NAME a transformers attention implementation (idempotent); returns NAME."""
     from transformers import AttentionInterface
@@ -55,7 +89,7 @@ def register() -> str:
 
 
 def implementation_for(dtype, config=None) -> str:
-    """The attention the target runs in `dtype`: row-wise in half precision, sdpa otherwise.
+    """The attention the target runs in `dtype`: row-wise in half precision, gqa_sdpa otherwise.
 
     float32 verify forwards differ from decoding steps in the last bits too (the linear layers'
     kernels depend on the row count), which flips a greedy token only at an exact tie: eval and
@@ -66,7 +100,7 @@ def implementation_for(dtype, config=None) -> str:
 
     if config is not None and sliding_window(config):
         return "sdpa"
-    return register() if dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    return register() if dtype in (torch.bfloat16, torch.float16) else register_gqa()
 
 
 def sliding_window(config) -> bool:
