@@ -247,3 +247,17 @@ def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, m
     assert len(lookup_steps) > 10 and lookup_steps[0] == [0.5, 0.5]
     first, second = lookup_steps[-1]
     assert first > 0.9 and second < 0.15  # measured: draft 1 always passed, draft 2 never
+
+
+def test_the_decoder_times_its_verify_forwards_and_drafter_passes(setup):
+    target, drafter, prompts, _, _ = setup
+    timed = []
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=3, max_seq_len=128,
+                           backoff=False, timing=lambda *t: timed.append(t))
+    for p in prompts[:3]:
+        decoder.add(Request(p, 6))
+    decoder.prefill()
+    decoder.decode()
+    assert [(part, rows, width) for part, rows, width, _ in timed] == [("draft", 3, 0),
+                                                                        ("verify", 3, 4)]
+    assert all(seconds > 0 for *_, seconds in timed)

@@ -133,3 +133,24 @@ def test_profile_refuses_an_engine_without_a_drafter(tmp_path):
                block_size=1, max_batch_size=1, max_seq_len=64, chat_template=False).write(tmp_path)
     result = CliRunner().invoke(cli, ["profile", str(tmp_path)])
     assert result.exit_code == 2 and "with a drafter" in result.output
+
+
+def test_online_costs_follow_what_the_batch_measures():
+    from dflash_trt.dflash.draft_length import StepCosts
+    from dflash_trt.engines.cost_model import OnlineCosts
+
+    stored = CostModel(costs=StepCosts((0.10, 0.12, 0.14), 0.02), device="cpu", device_name="x",
+                       dtype="float32", threads=1, torch_version="t",
+                       batches={4: StepCosts((0.20, 0.30, 0.40), 0.04)})
+    costs = OnlineCosts(stored)
+    assert costs.verify_s(4, 2) == 0.30 and costs.step_s(4, 2) == pytest.approx(0.34)
+    costs.record("verify", 4, 1, 0.10)  # one-token forwards run at half the stored time
+    assert costs.verify_s(4, 1) == 0.10
+    assert costs.verify_s(4, 3) == pytest.approx(0.20)  # unseen: scaled alike
+    costs.record("verify", 4, 3, 0.40)  # measured: wide forwards are dearer than that
+    assert costs.verify_s(4, 3) == 0.40
+    costs.record("verify", 4, 3, 0.30)
+    assert costs.verify_s(4, 3) == pytest.approx(0.40 + OnlineCosts.RATE * (0.30 - 0.40))
+    costs.record("draft", 4, 0, 0.01)
+    assert costs.draft_s(4) == 0.01 and costs.draft_s(1) == 0.02
+    assert costs.verify_s(1, 2) == 0.12  # other row counts keep the stored model

@@ -20,6 +20,7 @@ a row's logits with other matrix shapes than batch 1 does, so floats may differ 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +131,9 @@ class BatchDecoder:
     pays: (the drafter's acceptance per draft position, rows, drafting rows) -> whether the
     drafter pass is worth running this step (dflash.draft_length.drafting_pays), or None to always
     draft. The acceptance per position is measured here, on the drafts this decoder verified.
+    timing: called with ("verify", rows, width, seconds) after each verify forward (its first
+    logits included) and ("draft", rows, 0, seconds) after each drafter pass, so the costs the
+    chooser uses can follow the machine (engines.cost_model.OnlineCosts).
     """
 
     def __init__(self, target, drafter, *, block_size: int, max_rows: int, max_seq_len: int,
@@ -137,11 +141,12 @@ class BatchDecoder:
                  choose: Callable[[list[list[float]]], int] | None = None,
                  pays: Callable[[list[float], int, int], bool] | None = None,
                  acceptance: Callable[[float], float] | None = None,
+                 timing: Callable[[str, int, int, float], None] | None = None,
                  prefill_chunk: int = PREFILL_CHUNK):
         self.target, self.drafter = target, drafter
         self.block_size, self.max_rows = block_size, max_rows
         self.prompt_lookup, self.backoff, self.choose, self.pays = prompt_lookup, backoff, choose, pays
-        self.acceptance = acceptance
+        self.acceptance, self.timing = acceptance, timing
         self.prefill_chunk = prefill_chunk
         self.draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
         capacity = max_seq_len + block_size  # room for a padded verify past a row's end
@@ -280,7 +285,10 @@ class BatchDecoder:
                 wanted = []
                 self.skipped += 1
         if wanted:
+            began = time.perf_counter()
             self._draft_all(wanted, plans)
+            if self.timing is not None:
+                self.timing("draft", len(rows), 0, time.perf_counter() - began)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
         if self.choose is not None:
             width = self.choose([self._chances(*plans[r][2:]) for r in live])
@@ -295,10 +303,13 @@ class BatchDecoder:
             ids[r, :1 + len(drafts)] = torch.tensor([rows[r].token, *drafts])
         # 3. One forward verifies every row (rows still in their prompt ride along, ignored).
         starts = list(self.kv.lengths[:len(rows)])
+        began = time.perf_counter()
         hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
                                                self.dkv is not None)
         # Every row's first logits in one LM-head call; further rows only where drafts pass.
         first = dict(zip(kept, self.target.logits(hidden[list(kept), 0]), strict=True))
+        if self.timing is not None:
+            self.timing("verify", len(rows), width, time.perf_counter() - began)
         return [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
                 for r, plan in kept.items()]
 

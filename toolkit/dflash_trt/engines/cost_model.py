@@ -91,6 +91,43 @@ class CostModel:
                                  "compile stage, or run without it") from None
 
 
+class OnlineCosts:
+    """A CostModel corrected by what the serving batch measures as it runs.
+
+    A stored cost model is measured once, on rows of equal length, and a shared machine drifts
+    (on this project's CPU, 8 rows of one new token measured 150 ms at profile time and 124 ms
+    while serving). Each verify forward and drafter pass the batch times replaces the estimate for
+    its (rows, width) by a moving average (RATE); a width not yet seen is the stored value scaled
+    by what one-token forwards over as many rows measured. A width the stored model makes look
+    cheap gets chosen, measured and corrected; one it makes look dear stays unchosen."""
+
+    RATE = 0.2
+
+    def __init__(self, model: CostModel):
+        self.model = model
+        self.verify: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds
+        self.draft: dict[int, float] = {}  # rows -> seconds
+
+    def record(self, part: str, rows: int, width: int, seconds: float) -> None:
+        """A measured `verify` forward of `width` tokens, or a `draft` pass, over `rows` rows."""
+        table, key = (self.verify, (rows, width)) if part == "verify" else (self.draft, rows)
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.RATE * (seconds - old)
+
+    def verify_s(self, rows: int, width: int) -> float:
+        if (rows, width) in self.verify:
+            return self.verify[rows, width]
+        scale = self.verify[rows, 1] / self.model.verify_s(rows, 1) if (rows, 1) in self.verify \
+            else 1.0
+        return self.model.verify_s(rows, width) * scale
+
+    def draft_s(self, rows: int) -> float:
+        return self.draft.get(rows, self.model.draft_s(rows))
+
+    def step_s(self, rows: int, width: int) -> float:
+        return self.draft_s(rows) + self.verify_s(rows, width)
+
+
 def _costs_json(costs: StepCosts) -> dict:
     return {"verify_s": list(costs.verify_s), "draft_s": costs.draft_s}
 

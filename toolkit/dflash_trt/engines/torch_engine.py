@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from dflash_trt.engines.base import SamplingParams, StepOutput
@@ -170,43 +171,36 @@ class TorchEngine:
     def _draft_length(self):
         if self.cost_model is None or self.drafter is None:
             return None  # fixed: every drafter step verifies all its drafts
-        from functools import partial
-
         from dflash_trt.dflash.draft_length import choose_draft_length
 
         return partial(choose_draft_length, costs=self.cost_model.costs,
                        acceptance=self.acceptance)
-
-    def _choose_width(self, chances: list[list[float]]) -> int:
-        """The batch's verify width from the cost model (dflash.batch.choose_width)."""
-        from dflash_trt.dflash.batch import choose_width
-
-        return choose_width(chances, self.cost_model.step_s)
 
     def _batch(self):
         """The scheduler of batched serving, started on first use."""
         with self._starting:
             return self._scheduler or self._start_scheduler()
 
-    def _drafting_pays(self, rates: list[float], rows: int, drafting: int) -> bool:
-        """Whether this step should run the drafter at all (dflash.draft_length.drafting_pays)."""
-        from dflash_trt.dflash.draft_length import drafting_pays
-
-        model = self.cost_model
-        return drafting_pays(rates, rows, drafting, model.verify_s, model.draft_s,
-                             self.block_size - 1)
-
     def _start_scheduler(self):
         from dflash_trt.dflash.batch import BatchDecoder
         from dflash_trt.engines.scheduler import Scheduler
 
-        adaptive = self.cost_model is not None and self.drafter is not None
+        choose = pays = timing = None
+        if self.cost_model is not None and self.drafter is not None:  # adaptive
+            from dflash_trt.dflash.batch import choose_width
+            from dflash_trt.dflash.draft_length import drafting_pays
+            from dflash_trt.engines.cost_model import OnlineCosts
+
+            costs = OnlineCosts(self.cost_model)
+            choose = partial(choose_width, step_s=costs.step_s)
+            pays = partial(drafting_pays, verify_s=costs.verify_s, draft_s=costs.draft_s,
+                           max_drafts=self.block_size - 1)
+            timing = costs.record
         decoder = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
                                prompt_lookup=self.prompt_lookup, backoff=self.draft_backoff,
-                               choose=self._choose_width if adaptive else None,
-                               pays=self._drafting_pays if adaptive else None,
-                               acceptance=self.acceptance)
+                               choose=choose, pays=pays, acceptance=self.acceptance,
+                               timing=timing)
         self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
                                     queue_timeout_s=self.queue_timeout_s)
         return self._scheduler
