@@ -261,3 +261,30 @@ def test_the_decoder_times_its_verify_forwards_and_drafter_passes(setup):
     assert [(part, rows, width) for part, rows, width, _ in timed] == [("draft", 3, 0),
                                                                         ("verify", 3, 4)]
     assert all(seconds > 0 for *_, seconds in timed)
+
+
+def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
+    """When the steps that ran the drafter measured fewer tokens per second than those that did
+    not, at this many rows, the drafter rests (probes aside) although `pays` says yes; measured
+    the other way round, it drafts. The output is plain greedy either way."""
+    from dflash_trt.dflash.batch import PROBE_EVERY
+
+    target, drafter, prompts, _, _ = setup
+    ref = gen.generate(HFTarget(target.model), None, prompts[2], max_new_tokens=30,
+                       block_size=1)[0]
+    for drafter_rate, expect_drafting in [(1.0, False), (1e9, True)]:
+        decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
+                               backoff=False, pays=lambda rates, rows, drafting: True)
+        decoder.arms.RATE = 0.0  # keep the injected measurements
+        decoder.arms.record(1, True, drafter_rate)
+        decoder.arms.record(1, False, 1e6)
+        decoder.add(Request(prompts[2], 30))
+        steps = decoder.prefill()
+        while decoder.rows[0].finish is None:
+            steps += decoder.decode()
+        assert [t for _, s in steps for t in s.token_ids] == ref
+        drafted = [i for i, (_, s) in enumerate(steps[1:]) if s.num_draft_tokens]
+        if expect_drafting:  # every step but the last, where no token is left to draft
+            assert drafted == list(range(len(steps) - 2))
+        else:
+            assert drafted == [PROBE_EVERY]

@@ -36,6 +36,9 @@ DFLASH_ADAPTIVE = "dflash-adaptive"
 DFLASH_CALIBRATED = "dflash-calibrated"  # adaptive, its confidences calibrated on measured acceptance
 DFLASH_LOOKUP = "dflash+lookup"
 HF_GREEDY = "hf-generate"
+# transformers as it ships: its own sdpa attention and matmuls (hf-generate runs the engine's model
+# object, with the engine's attention and, on CPU, its oneDNN linears).
+HF_STOCK = "hf-generate-stock"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 PROMPT_LOOKUP_NUM_TOKENS = 10  # transformers' own default for prompt lookup
 
@@ -272,6 +275,9 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
         hf_contender(HF_PROMPT_LOOKUP, engine.model, eos_token_ids=eos,
                      prompt_lookup_num_tokens=prompt_lookup_num_tokens),
     ]
+    stock = _stock_model(resolve_source(target), dtype, engine.device)
+    if stock is not None:
+        contenders.insert(1, hf_contender(HF_STOCK, stock, eos_token_ids=eos))
     if prompt_lookup:
         contenders.insert(2, engine_contender(DFLASH_LOOKUP, engine, num_draft_tokens=None,
                                               prompt_lookup=True))
@@ -293,6 +299,18 @@ def load_contenders(target: str, drafter_dir: Path, *, device: str = "auto",
     return LoadedContenders(
         contenders=contenders, tokenize=engine.tokenize, device=str(engine.device),
         block_size=engine.block_size, step_costs_ms=costs_ms)
+
+
+def _stock_model(target_dir: Path, dtype: str, device):
+    """The target as transformers loads it (sdpa attention, no oneDNN packing), or None for a
+    quantized checkpoint, which transformers cannot run without this project's kernels."""
+    from dflash_trt.formats.load import load_target
+
+    if (Path(target_dir) / "hf_quant_config.json").is_file():
+        return None
+    model = load_target(target_dir, dtype=dtype, device=str(device))
+    model.config._attn_implementation = "sdpa"
+    return model
 
 
 # --- where the time goes -----------------------------------------------------------------------

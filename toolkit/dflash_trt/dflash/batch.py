@@ -101,6 +101,29 @@ class Row:
         return self.token is not None and self.finish is None
 
 
+class Arms:
+    """Measured tokens per second of the steps that ran the drafter and of those that could have
+    but did not, per number of decoding rows (moving averages, RATE per step).
+
+    The cost model predicts a step; this measures it whole (lookup, padding, Python, the LM-head
+    rows of accepted drafts, a busy machine). When drafting steps measure slower than plain ones
+    at this many rows, the drafter rests whatever the prediction, until the next probe."""
+
+    RATE = 0.1
+
+    def __init__(self):
+        self.rate: dict[tuple[int, bool], float] = {}  # (rows, drafter ran) -> tokens/s
+
+    def record(self, rows: int, drafter: bool, tokens_per_s: float) -> None:
+        old = self.rate.get((rows, drafter))
+        self.rate[rows, drafter] = tokens_per_s if old is None \
+            else old + self.RATE * (tokens_per_s - old)
+
+    def drafter_loses(self, rows: int) -> bool:
+        with_drafter, without = self.rate.get((rows, True)), self.rate.get((rows, False))
+        return with_drafter is not None and without is not None and with_drafter < without
+
+
 def choose_width(chances: Sequence[Sequence[float]], step_s: Callable[[int, int], float]) -> int:
     """Tokens per row (1 + drafts) of the batch's verify forward that maximise the batch's expected
     tokens per second: row r verifies min(width - 1, its drafts), draft i passing with probability
@@ -154,8 +177,9 @@ class BatchDecoder:
         self.dkv = drafter.new_slot_cache(max_rows, capacity) if self.draft_len else None
         self.rows: list[Row] = []
         self.tally = {"dflash": Tally(self.draft_len), "lookup": Tally(self.draft_len)}
-        self.skipped = 0  # steps in a row whose drafter pass `pays` declined
+        self.skipped = 0  # steps in a row that skipped the drafter
         self.probe_every = PROBE_EVERY
+        self.arms = Arms()
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
     def position_rates(self, source: str = "dflash") -> list[float]:
@@ -259,9 +283,22 @@ class BatchDecoder:
             sampler = self.rows[r].request.sampler
             plans[r] = (*pick_drafts(part, vocab, sampler, self.target.vocab_size), "dflash")
 
+    def _drafter_step(self, live: int, drafting: int) -> bool:
+        """Whether this step runs the drafter: the cost model says it pays and the steps measured
+        at this many rows do not say otherwise, or a probe is due (PROBE_EVERY, PROBE_MAX)."""
+        if self.pays(self.position_rates(), live, drafting) and not self.arms.drafter_loses(live):
+            self.skipped, self.probe_every = 0, PROBE_EVERY
+            return True
+        if self.skipped >= self.probe_every:  # a probe: draft anyway, wait longer next time
+            self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
+            return True
+        self.skipped += 1
+        return False
+
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Step]]:
         """One verify forward for every decoding row."""
+        began = time.perf_counter()
         rows = self.rows
         live = [r for r, row in enumerate(rows) if row.decoding]
         if not live:
@@ -274,21 +311,16 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        if wanted and self.pays is not None:
-            if self.pays(self.position_rates(), len(live), len(wanted)):
-                self.skipped, self.probe_every = 0, PROBE_EVERY
-            elif self.skipped >= self.probe_every:  # a probe: draft anyway, wait longer next time
-                self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
-            else:  # a plain step: at this load the drafter costs more than it brings
-                for r in wanted:
-                    plans[r] = ([], None, [], None)
-                wanted = []
-                self.skipped += 1
+        contested = bool(wanted) and self.pays is not None  # a step the gate decides
+        if contested and not self._drafter_step(len(live), len(wanted)):
+            for r in wanted:  # a plain step: at this load the drafter costs more than it brings
+                plans[r] = ([], None, [], None)
+            wanted = []
         if wanted:
-            began = time.perf_counter()
+            drafted = time.perf_counter()
             self._draft_all(wanted, plans)
             if self.timing is not None:
-                self.timing("draft", len(rows), 0, time.perf_counter() - began)
+                self.timing("draft", len(rows), 0, time.perf_counter() - drafted)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
         if self.choose is not None:
             width = self.choose([self._chances(*plans[r][2:]) for r in live])
@@ -303,15 +335,19 @@ class BatchDecoder:
             ids[r, :1 + len(drafts)] = torch.tensor([rows[r].token, *drafts])
         # 3. One forward verifies every row (rows still in their prompt ride along, ignored).
         starts = list(self.kv.lengths[:len(rows)])
-        began = time.perf_counter()
+        verified = time.perf_counter()
         hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
                                                self.dkv is not None)
         # Every row's first logits in one LM-head call; further rows only where drafts pass.
         first = dict(zip(kept, self.target.logits(hidden[list(kept), 0]), strict=True))
         if self.timing is not None:
-            self.timing("verify", len(rows), width, time.perf_counter() - began)
-        return [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
-                for r, plan in kept.items()]
+            self.timing("verify", len(rows), width, time.perf_counter() - verified)
+        out = [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
+               for r, plan in kept.items()]
+        if contested:
+            tokens = sum(len(step.token_ids) for _, step in out)
+            self.arms.record(len(live), bool(wanted), tokens / (time.perf_counter() - began))
+        return out
 
     def _chances(self, confidence: list[float], source: str | None) -> list[float]:
         """Each draft's chance of passing once those before it passed, for the chooser."""
