@@ -275,9 +275,10 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
     for drafter_rate, expect_drafting in [(1.0, False), (1e9, True)]:
         decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                                backoff=False, pays=lambda rates, rows, drafting: True)
-        decoder.arms.RATE = 0.0  # keep the injected measurements
-        decoder.arms.record(1, True, drafter_rate)
-        decoder.arms.record(1, False, 1e6)
+        gate = decoder.drafter_gate
+        gate.RATE = 0.0  # keep the injected measurements
+        gate.record(1, True, drafter_rate)
+        gate.record(1, False, 1e6)
         decoder.add(Request(prompts[2], 30))
         steps = decoder.prefill()
         while decoder.rows[0].finish is None:
@@ -288,3 +289,20 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
             assert drafted == list(range(len(steps) - 2))
         else:
             assert drafted == [PROBE_EVERY]
+
+
+def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
+    from dflash_trt.dflash.batch import PROBE_EVERY, Gate
+
+    gate = Gate()  # predicted never to pay: bold only at probes, each wait twice the last
+    taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(2, False)]
+    assert taken == [PROBE_EVERY, 3 * PROBE_EVERY + 1]
+    gate = Gate()  # predicted to pay, plain way unmeasured: one plain step measures it
+    plain = [i for i in range(3 * PROBE_EVERY) if not gate.bold(2, True)]
+    assert plain == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    gate.record(2, False, 10.0)
+    assert all(gate.bold(2, True) for _ in range(3 * PROBE_EVERY))  # measured now: no more
+    gate.record(2, True, 5.0)  # the bold way measured slower: plain although predicted to pay
+    assert not gate.bold(2, True) and not gate.loses(4)  # other row counts keep their own
+    gate.record(2, True, 25.0)  # a moving average: 5 + 0.1 * 20
+    assert gate.rate[2, True] == pytest.approx(7.0) and not gate.bold(2, True)

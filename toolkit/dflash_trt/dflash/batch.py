@@ -41,9 +41,9 @@ from dflash_trt.dflash.sampling import Sampler, banned_next, without
 
 PREFILL_CHUNK = 512  # prompt tokens per row per step: a long prompt does not stall the batch
 # The measured acceptance per position only changes while the drafter drafts: after PROBE_EVERY
-# steps in a row that skipped it, one step drafts anyway, and older outcomes weigh less (each
-# verified row scales its source's counts by FORGET), so the estimate follows the traffic. A probe
-# that still finds drafting not worth it doubles the wait before the next one, up to PROBE_MAX.
+# steps in a row that skipped it, one step drafts anyway (Gate), and older outcomes weigh less
+# (each verified row scales its source's counts by FORGET), so the estimate follows the traffic.
+# A probe that still finds drafting not worth it doubles the wait before the next, up to PROBE_MAX.
 PROBE_EVERY = 16
 PROBE_MAX = 256
 FORGET = 0.995
@@ -101,27 +101,46 @@ class Row:
         return self.token is not None and self.finish is None
 
 
-class Arms:
-    """Measured tokens per second of the steps that ran the drafter and of those that could have
-    but did not, per number of decoding rows (moving averages, RATE per step).
+class Gate:
+    """A step has a bold way (run the drafter; verify lookup drafts) and a plain one; this
+    measures the tokens per second of each per number of decoding rows (moving averages, RATE
+    per step) and says which to take.
 
-    The cost model predicts a step; this measures it whole (lookup, padding, Python, the LM-head
-    rows of accepted drafts, a busy machine). When drafting steps measure slower than plain ones
-    at this many rows, the drafter rests whatever the prediction, until the next probe."""
+    The cost model predicts a step; this measures it whole (padding, Python, the LM-head rows of
+    accepted drafts, a busy machine). The bold way runs when predicted to pay and not measured
+    slower than the plain one at this many rows. While it does not, a probe takes it after
+    PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
+    does and the plain way is unmeasured at this many rows, one plain step measures it."""
 
     RATE = 0.1
 
     def __init__(self):
-        self.rate: dict[tuple[int, bool], float] = {}  # (rows, drafter ran) -> tokens/s
+        self.rate: dict[tuple[int, bool], float] = {}  # (rows, bold) -> tokens/s
+        self.plain_steps = self.bold_steps = 0  # in a row
+        self.wait = PROBE_EVERY
 
-    def record(self, rows: int, drafter: bool, tokens_per_s: float) -> None:
-        old = self.rate.get((rows, drafter))
-        self.rate[rows, drafter] = tokens_per_s if old is None \
+    def record(self, rows: int, bold: bool, tokens_per_s: float) -> None:
+        old = self.rate.get((rows, bold))
+        self.rate[rows, bold] = tokens_per_s if old is None \
             else old + self.RATE * (tokens_per_s - old)
 
-    def drafter_loses(self, rows: int) -> bool:
-        with_drafter, without = self.rate.get((rows, True)), self.rate.get((rows, False))
-        return with_drafter is not None and without is not None and with_drafter < without
+    def loses(self, rows: int) -> bool:
+        """Whether the bold way measured fewer tokens/s than the plain one at this many rows."""
+        bold, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
+        return bold is not None and plain is not None and bold < plain
+
+    def bold(self, rows: int, predicted: bool) -> bool:
+        """Whether this step takes the bold way (counted as taken)."""
+        choice = predicted and not self.loses(rows)
+        if choice:
+            self.wait = PROBE_EVERY
+            if (rows, False) not in self.rate and self.bold_steps >= PROBE_EVERY:
+                choice = False  # measure the plain way once
+        elif self.plain_steps >= self.wait:  # a probe: bold anyway, wait longer next time
+            choice, self.wait = True, min(2 * self.wait, PROBE_MAX)
+        self.bold_steps, self.plain_steps = (self.bold_steps + 1, 0) if choice \
+            else (0, self.plain_steps + 1)
+        return choice
 
 
 def choose_width(chances: Sequence[Sequence[float]], step_s: Callable[[int, int], float]) -> int:
@@ -177,9 +196,8 @@ class BatchDecoder:
         self.dkv = drafter.new_slot_cache(max_rows, capacity) if self.draft_len else None
         self.rows: list[Row] = []
         self.tally = {"dflash": Tally(self.draft_len), "lookup": Tally(self.draft_len)}
-        self.skipped = 0  # steps in a row that skipped the drafter
-        self.probe_every = PROBE_EVERY
-        self.arms = Arms()
+        self.drafter_gate = Gate()  # run the drafter, or not
+        self.width_gate = Gate()  # verify lookup drafts, or not (steps without the drafter)
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
     def position_rates(self, source: str = "dflash") -> list[float]:
@@ -283,18 +301,6 @@ class BatchDecoder:
             sampler = self.rows[r].request.sampler
             plans[r] = (*pick_drafts(part, vocab, sampler, self.target.vocab_size), "dflash")
 
-    def _drafter_step(self, live: int, drafting: int) -> bool:
-        """Whether this step runs the drafter: the cost model says it pays and the steps measured
-        at this many rows do not say otherwise, or a probe is due (PROBE_EVERY, PROBE_MAX)."""
-        if self.pays(self.position_rates(), live, drafting) and not self.arms.drafter_loses(live):
-            self.skipped, self.probe_every = 0, PROBE_EVERY
-            return True
-        if self.skipped >= self.probe_every:  # a probe: draft anyway, wait longer next time
-            self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
-            return True
-        self.skipped += 1
-        return False
-
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Step]]:
         """One verify forward for every decoding row."""
@@ -311,8 +317,9 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        contested = bool(wanted) and self.pays is not None  # a step the gate decides
-        if contested and not self._drafter_step(len(live), len(wanted)):
+        contested = bool(wanted) and self.pays is not None  # a step the drafter gate decides
+        if contested and not self.drafter_gate.bold(
+                len(live), self.pays(self.position_rates(), len(live), len(wanted))):
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
             wanted = []
@@ -324,6 +331,8 @@ class BatchDecoder:
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
         if self.choose is not None:
             width = self.choose([self._chances(*plans[r][2:]) for r in live])
+            if width > 1 and not wanted and not self.width_gate.bold(len(live), True):
+                width = 1
         else:
             width = 1 + max(len(plans[r][0]) for r in live)
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
@@ -344,9 +353,11 @@ class BatchDecoder:
             self.timing("verify", len(rows), width, time.perf_counter() - verified)
         out = [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
                for r, plan in kept.items()]
+        rate = sum(len(step.token_ids) for _, step in out) / (time.perf_counter() - began)
         if contested:
-            tokens = sum(len(step.token_ids) for _, step in out)
-            self.arms.record(len(live), bool(wanted), tokens / (time.perf_counter() - began))
+            self.drafter_gate.record(len(live), bool(wanted), rate)
+        if self.choose is not None and not wanted:
+            self.width_gate.record(len(live), width > 1, rate)
         return out
 
     def _chances(self, confidence: list[float], source: str | None) -> list[float]:

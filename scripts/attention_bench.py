@@ -1,0 +1,51 @@
+"""Time one SmolLM2-135M attention layer (9 query heads, 3 KV heads, head dim 64, float32) over a
+slot cache (dflash/slots.py) with a per-row mask: transformers' sdpa path (grouped KV heads copied
+out to every query head) against torch's sdpa keeping the groups (dflash/attention.py gqa_sdpa),
+and the same without a mask. Microseconds per call, median of 200.
+
+    .venv/bin/python scripts/attention_bench.py [THREADS]
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
+
+
+def micros(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+print(f"threads {torch.get_num_threads()}\n| rows | new tokens | keys | copied heads + mask (us) "
+      "| grouped + mask (us) | grouped, no mask (us) |\n|---|---|---|---|---|---|")
+for rows, width, keys in [(1, 1, 160), (4, 1, 160), (4, 4, 160), (8, 1, 300), (8, 4, 300)]:
+    cache = torch.randn(8, 3, 2056, 64)  # (slots, kv heads, capacity, head dim)
+    k = v = cache[:rows, :, :keys]
+    q = torch.randn(rows, 9, width, 64)
+    mask = torch.ones(rows, 1, width, keys, dtype=torch.bool)
+
+    def copied():
+        kk = k[:, :, None].expand(rows, 3, 3, keys, 64).reshape(rows, 9, keys, 64)
+        vv = v[:, :, None].expand(rows, 3, 3, keys, 64).reshape(rows, 9, keys, 64)
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+    def grouped():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def unmasked():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    torch.testing.assert_close(copied(), grouped())
+    print(f"| {rows} | {width} | {keys} | {micros(copied):.0f} | {micros(grouped):.0f} "
+          f"| {micros(unmasked):.0f} |")

@@ -1,0 +1,85 @@
+"""The same engine served and offline at one request, interleaved, so a drifting machine hits both.
+
+    .venv/bin/python scripts/served_vs_offline.py ENGINE_DIR --url 127.0.0.1:18001 \
+        [--prompts builtin:chat] [--num-prompts 8] [--max-tokens 48] [--repeats 2]
+
+A server of ENGINE_DIR's Triton repository must be up (`dflash-trt serve`, gRPC port in --url).
+For every repeat, prompt and mode (plain = num_draft_tokens 0, then dflash) one request goes to
+the server and then the same one to the engine loaded here (while the server idles), each timed
+from send to its last token. Prints tokens/s per place and mode (all tokens / all seconds, per
+repeat, then the median) and whether the served tokens equal the offline ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from dflash_trt.engines import load_engine
+from dflash_trt.engines.base import SamplingParams
+from dflash_trt.prompts import all_prompts
+from dflash_trt.serving.client import GenerateRequest, GrpcClient
+
+MODES = {"plain": 0, "dflash": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--prompts", default="builtin:chat")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    engine = load_engine(args.engine_dir)
+    client = GrpcClient(args.url)
+    prompts = all_prompts(args.prompts)[:args.num_prompts]
+    totals = {(where, mode): [] for where in ("served", "offline") for mode in MODES}
+    same = True
+    try:
+        for _ in range(args.repeats):
+            run = {key: [0, 0.0] for key in totals}  # tokens, seconds
+            for prompt in prompts:
+                for mode, drafts in MODES.items():
+                    began = time.perf_counter()
+                    served = [t for chunk in client.stream(GenerateRequest(
+                        prompt, max_tokens=args.max_tokens, temperature=0.0,
+                        num_draft_tokens=drafts)) for t in chunk.token_ids]
+                    _add(run["served", mode], len(served), began)
+                    began = time.perf_counter()
+                    ids = engine.tokenize(prompt, chat=engine_chat(args.engine_dir))
+                    offline = [t for step in engine.stream(ids, SamplingParams(
+                        max_new_tokens=args.max_tokens, num_draft_tokens=drafts))
+                        for t in step.token_ids]
+                    _add(run["offline", mode], len(offline), began)
+                    same &= served == offline
+            for key, (tokens, seconds) in run.items():
+                totals[key].append(tokens / seconds)
+    finally:
+        engine.close()
+    for mode in MODES:
+        served, offline = (statistics.median(totals[w, mode]) for w in ("served", "offline"))
+        runs = ", ".join(f"{s:.1f}/{o:.1f}" for s, o in zip(totals["served", mode],
+                                                            totals["offline", mode], strict=True))
+        print(f"{mode}: served {served:.1f} tok/s, offline {offline:.1f} tok/s, served/offline "
+              f"{served / offline:.3f} (per repeat served/offline: {runs})")
+    print("served tokens equal offline tokens:", same)
+
+
+def engine_chat(engine_dir: Path) -> bool:
+    from dflash_trt.engines.spec import EngineSpec
+
+    return bool(EngineSpec.read(engine_dir).chat_template)
+
+
+def _add(acc: list, tokens: int, began: float) -> None:
+    acc[0] += tokens
+    acc[1] += time.perf_counter() - began
+
+
+if __name__ == "__main__":
+    main()
