@@ -41,6 +41,7 @@ def test_half_precision_runs_the_rowwise_implementation():
     assert attention.implementation_for(torch.bfloat16) == attention.NAME
     assert attention.implementation_for(torch.float16) == attention.NAME
     assert attention.implementation_for(torch.float32) == attention.GQA_NAME
+    assert attention.implementation_for(torch.float32, device="cuda:0") == "sdpa"
 
 
 @pytest.mark.parametrize("prompt_len", [3, 37, 130])

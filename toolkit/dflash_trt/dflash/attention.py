@@ -1,6 +1,6 @@
-"""The target's attention: row-wise in half precision (below), grouped-KV sdpa otherwise.
+"""The target's attention: row-wise in half precision (below), grouped-KV sdpa otherwise on CPU.
 
-**gqa_sdpa** (float32, float64). transformers' sdpa copies grouped key/value heads out to every
+**gqa_sdpa** (float32, float64, on CPU). transformers' sdpa copies grouped key/value heads out to every
 query head whenever it passes a mask, and a batch with rows of their own lengths always has one
 (dflash.slots). torch's sdpa takes the groups as they are (`enable_gqa`) with a mask too: per
 layer of SmolLM2 on this CPU, 8 rows x 300 keys took 0.3 ms instead of 3.0 ms, 4 x 160 0.13 ms
@@ -88,8 +88,10 @@ def register() -> str:
     return NAME
 
 
-def implementation_for(dtype, config=None) -> str:
-    """The attention the target runs in `dtype`: row-wise in half precision, gqa_sdpa otherwise.
+def implementation_for(dtype, config=None, device: str = "cpu") -> str:
+    """The attention the target runs in `dtype`: row-wise in half precision, gqa_sdpa otherwise
+    on CPU (measured there), sdpa otherwise on a GPU (where torch's grouped sdpa with a mask
+    falls back to its math kernel; not measured here).
 
     float32 verify forwards differ from decoding steps in the last bits too (the linear layers'
     kernels depend on the row count), which flips a greedy token only at an exact tie: eval and
@@ -100,7 +102,9 @@ def implementation_for(dtype, config=None) -> str:
 
     if config is not None and sliding_window(config):
         return "sdpa"
-    return register() if dtype in (torch.bfloat16, torch.float16) else register_gqa()
+    if dtype in (torch.bfloat16, torch.float16):
+        return register()
+    return register_gqa() if str(device).startswith("cpu") else "sdpa"
 
 
 def sliding_window(config) -> bool:

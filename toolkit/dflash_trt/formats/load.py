@@ -43,7 +43,7 @@ def load_target(target_dir: Path, *, dtype: str = "float32", device: str = "cpu"
     from transformers import AutoConfig
 
     dtype = torch_dtype(dtype)
-    attention = implementation_for(dtype, AutoConfig.from_pretrained(target_dir))
+    attention = implementation_for(dtype, AutoConfig.from_pretrained(target_dir), device)
     with torch.device(device):
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype,
                                                      attn_implementation=attention)
@@ -88,7 +88,8 @@ def _load_quantized_target(target_dir: Path, dtype, device: str):
         # The modelopt quantization_config would make transformers look for its own quantizer.
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                             attn_implementation=implementation_for(dtype, config))
+                                             attn_implementation=implementation_for(dtype, config,
+                                                                                   device))
     state = qf.load_safetensors_dir(target_dir)
     layers = qf.build_quant_linears(state, qcfg, dtype)
     qf.swap_in_quant_linears(model, layers)
