@@ -1,27 +1,39 @@
 """The training and held-out data of recipes/assets/smollm2-135m-dflash: SmolLM2's own answers.
 
-    .venv/bin/python scripts/make_smollm2_drafter_data.py DATA_DIR
+    .venv/bin/python scripts/make_smollm2_drafter_data.py DATA_DIR [--parts code,self-chat]
+        [--self-chat N] [--heldout-chat N] [--threads T]
 
-writes, into DATA_DIR (resumable: answers already there are kept):
-- heldout-answers.jsonl   answers to the first 32 of builtin:code-prompts (held out)
-- train-answers.jsonl     answers to builtin:chat and the other 1,281 builtin:code-prompts
-- train-answers-2.jsonl   answers to builtin:method-prompts (2,897 prompts, 2,888 distinct)
-- stdlib-functions.jsonl  77 documented standard-library functions as plain text
+writes, into DATA_DIR (resumable: answers and prompts already there are kept):
+- part `code`:
+  - heldout-answers.jsonl   answers to the first 32 of builtin:code-prompts (held out)
+  - train-answers.jsonl     answers to the other 1,281 builtin:code-prompts (until 2026-12-01
+                            also to builtin:chat, now an evaluation set)
+  - train-answers-2.jsonl   answers to builtin:method-prompts (2,897 prompts, 2,888 distinct)
+  - stdlib-functions.jsonl  77 documented standard-library functions as plain text
+- part `self-chat`:
+  - self-chat-turns.jsonl, heldout-chat-turns.jsonl   user turns the target wrote (seeds 0, 1;
+                            at most 64 tokens, temperature 1, top-p 0.95)
+  - self-chat-answers.jsonl      answers to N of them (train)
+  - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
+- part `rehearsal`:
+  - rehearsal-answers.jsonl  answers to the last N builtin:method-prompts (--rehearsal N; code
+                             the shipped drafter was trained on, mixed in so that training on
+                             chat does not forget code)
 
 Answers: chat template, greedy, float32, 128 new tokens, batches of 32 (one CPU thread here:
-about 0.6 answers/s). No HumanEval prompt is used (corpus.load_samples refuses them).
+about 0.6 answers/s). No evaluation prompt is used (HumanEval, builtin:chat: the corpus
+guard refuses and write_user_turns drops them).
 """
 
+import argparse
 import ast
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_trt import prompts
 from dflash_trt.stages.resolve import resolve_source
 from dflash_trt.training import corpus
 
@@ -50,23 +62,67 @@ def stdlib_functions(limit_chars: int = 64_000) -> list[dict]:
     return rows
 
 
-def main(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def log(t0: float, what: str, done: int, total: int, tokens: int | None = None) -> None:
+    rate = "" if tokens is None else f" ({tokens} new tokens)"
+    print(f"{time.time() - t0:.0f}s {what} {done}/{total}{rate}", flush=True)
+
+
+def code_part(out: Path, model, tokenizer, t0: float) -> None:
     rows = stdlib_functions()
     (out / "stdlib-functions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = [s.prompt for s in corpus.load_samples([corpus.CODE_PROMPTS])]
     methods = [s.prompt for s in corpus.load_samples([corpus.METHOD_PROMPTS])]
+    for name, batch in (("heldout-answers.jsonl", code[:32]),
+                        ("train-answers.jsonl", code[32:]),
+                        ("train-answers-2.jsonl", methods)):
+        corpus.answer_prompts(model, tokenizer, batch, out / name, batch_size=32,
+                              on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+
+
+def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: int) -> None:
+    train = corpus.write_user_turns(model, tokenizer, count, out / "self-chat-turns.jsonl",
+                                    seed=0, max_new_tokens=64,
+                                    on_batch=lambda d, t: log(t0, "train turns", d, t))
+    held = corpus.write_user_turns(model, tokenizer, heldout, out / "heldout-chat-turns.jsonl",
+                                   seed=1, max_new_tokens=64, exclude=train,
+                                   on_batch=lambda d, t: log(t0, "held-out turns", d, t))
+    for name, prompts_ in (("heldout-chat-answers.jsonl", held),
+                           ("self-chat-answers.jsonl", train)):
+        corpus.answer_prompts(model, tokenizer, prompts_, out / name, batch_size=32,
+                              on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+
+
+def rehearsal_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
+    methods = [s.prompt for s in corpus.load_samples([corpus.METHOD_PROMPTS])]
+    corpus.answer_prompts(model, tokenizer, methods[-count:], out / "rehearsal-answers.jsonl",
+                          batch_size=32, on_batch=lambda d, t, k: log(t0, "rehearsal", d, t, k))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--parts", default="code",
+                        help="comma-separated: code, self-chat, rehearsal")
+    parser.add_argument("--rehearsal", type=int, default=320, help="method prompts to answer")
+    parser.add_argument("--self-chat", type=int, default=1024, help="train prompts to write")
+    parser.add_argument("--heldout-chat", type=int, default=64, help="held-out prompts to write")
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
     target = resolve_source(TARGET)
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     t0 = time.time()
-    for name, batch in (("heldout-answers.jsonl", code[:32]),
-                        ("train-answers.jsonl", list(prompts.CHAT_PROMPTS) + code[32:]),
-                        ("train-answers-2.jsonl", methods)):
-        corpus.answer_prompts(model, tokenizer, batch, out / name, batch_size=32,
-                              on_batch=lambda d, t, n=name: print(f"{time.time() - t0:.0f}s {n} "
-                                                                  f"{d}/{t}", flush=True))
+    parts = args.parts.split(",")
+    if "code" in parts:
+        code_part(args.out, model, tokenizer, t0)
+    if "self-chat" in parts:
+        self_chat_part(args.out, model, tokenizer, t0, args.self_chat, args.heldout_chat)
+    if "rehearsal" in parts:
+        rehearsal_part(args.out, model, tokenizer, t0, args.rehearsal)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

@@ -304,3 +304,34 @@ def test_kubernetes_validate(path):
     for doc in yaml.safe_load_all(path.read_text()):
         if doc:
             kv.validate(doc, kv.latest_version(), strict=True)
+
+
+# ---- the drafter training job (applied on demand, not by the kustomization) ----------------------
+
+TRAIN_JOB = K8S / "jobs" / "train-drafter.yaml"
+
+
+def test_train_job_runs_a_valid_train_drafter_under_torchrun():
+    from click.testing import CliRunner
+
+    from dflash_trt.commands.train import train_drafter
+
+    job = yaml.safe_load(TRAIN_JOB.read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    script = container["args"][0]
+    launcher, _, rest = script.partition('"$(command -v dflash-trt)"')
+    assert "torchrun --standalone --nproc_per_node=8" in launcher
+    argv = shlex.split(rest.replace("$RESUME", "").replace('"$OUT"', "/tmp/out"))
+    assert argv[0] == "train-drafter"
+    # Every option the job passes exists (click stops at the first unknown one, before any work).
+    result = CliRunner().invoke(train_drafter, [*argv[1:], "--help"])
+    assert result.exit_code == 0, result.output
+    assert container["image"] == resource("Job")["spec"]["template"]["spec"]["containers"][0]["image"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in job["spec"]["template"]["spec"]
+              ["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [resource("PersistentVolumeClaim")["metadata"]["name"]]
+
+
+def test_train_job_validates():
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    kv.validate(yaml.safe_load(TRAIN_JOB.read_text()), kv.latest_version(), strict=True)

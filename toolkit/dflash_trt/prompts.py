@@ -23,6 +23,7 @@ CHAT = "builtin:chat"
 STDLIB = "builtin:python-stdlib"
 CODE_PROMPTS = "builtin:code-prompts"
 METHOD_PROMPTS = "builtin:method-prompts"
+SELF_CHAT = "builtin:self-chat"  # training data only: chat prompts the target writes itself
 BUILTIN_PROMPTS = (HUMANEVAL, CHAT)  # verify and benchmark prompt sets
 BUILTIN_DATA = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)  # training and calibration data
 

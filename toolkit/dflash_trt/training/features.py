@@ -40,6 +40,10 @@ class FeatureBatch:
     lengths: torch.Tensor  # (B,) long
     train_start: torch.Tensor  # (B,) long: first position anchors may take
 
+    def to(self, device) -> FeatureBatch:
+        return FeatureBatch(*(t.to(device) for t in (self.tokens, self.labels, self.features,
+                                                     self.lengths, self.train_start)))
+
 
 @torch.no_grad()  # not inference_mode: the features feed a graph that trains
 def extract(target: HFTarget, ids: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +52,7 @@ def extract(target: HFTarget, ids: torch.Tensor, chunk: int = 256) -> tuple[torc
     Right padding needs no attention mask: attention is causal, so real positions never see it.
     The LM head runs in chunks of positions to keep the (chunk, V) logits small.
     """
+    ids = ids.to(target.model.device)
     hidden, features = target.forward(ids, None, True)  # (B, L, H), (B, L, k*H)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B*L, H)
     labels = torch.cat([target.logits(flat[i:i + chunk]).argmax(-1)
@@ -74,6 +79,7 @@ def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: P
         def flush(batch: list[TokenSequence]) -> None:
             nonlocal offset, dim
             feats, labels = extract(target, _pad([s.ids for s in batch], pad_id))
+            feats, labels = feats.cpu(), labels.cpu()
             dim = feats.shape[-1]
             for row, seq in enumerate(batch):
                 n = len(seq.ids)
@@ -188,7 +194,8 @@ class OnTheFlyFeatures:
         seqs = [self.sequences[int(i)] for i in indices]
         tokens = _pad([s.ids for s in seqs], pad_id)  # (B, L)
         feats, labels = extract(self.target, tokens)
-        return FeatureBatch(tokens, labels, feats.float(), torch.tensor([len(s.ids) for s in seqs]),
+        return FeatureBatch(tokens, labels.cpu(), feats.float().cpu(),
+                            torch.tensor([len(s.ids) for s in seqs]),
                             torch.tensor([s.train_start for s in seqs]))
 
     def label_counts(self, vocab_size: int) -> np.ndarray:

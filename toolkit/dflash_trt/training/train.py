@@ -2,15 +2,17 @@
 
 One step:
 1. Take the next batch of sequences (a seeded permutation per epoch) with their target features
-   and the target's argmax labels.
-2. Draw `anchors_per_seq` random anchor positions per sequence (at or after its train_start).
+   and the target's argmax labels; under torchrun each process takes every world-th row.
+2. Draw `anchors_per_seq` random anchor positions per sequence (at or after its train_start),
+   seeded per (step, row).
 3. Each block is [anchor token, MASK x (block_size-1)] at positions a..a+B-1; it attends to the
    target features strictly before the anchor (KV injection) and to its whole block, non-causally.
    All blocks of a sequence run in one pass with a block-diagonal mask.
 4. Block position k (1..B-1) predicts the target's argmax at a+k-1; cross-entropy weighted by
    w_k = exp(-(k-1)/gamma), through the target's frozen LM head (optionally restricted to the most
    frequent labels, which is most of the cost saved on CPU).
-5. AdamW, linear warm-up then cosine decay, gradient clipping.
+5. AdamW, linear warm-up then cosine decay, gradient clipping. Losses are whole-batch sums over
+   whole-batch weights, so N processes (DistributedDataParallel) step as one process would.
 
 Every random draw is a function of (seed, step), so a run resumed from a checkpoint continues
 bit for bit. No printing: progress goes to a callback as StepStats / EvalStats.
@@ -122,19 +124,21 @@ def draft_hidden(drafter, embed: torch.Tensor, features: torch.Tensor, tokens: t
     b, length, _ = features.shape
     n = anchors.shape[1]
     t = n * block_size
-    offsets = torch.arange(block_size)
-    block_ids = torch.full((b, n, block_size), drafter.mask_token_id, dtype=torch.long)
+    dev = features.device
+    offsets = torch.arange(block_size, device=dev)
+    block_ids = torch.full((b, n, block_size), drafter.mask_token_id, dtype=torch.long, device=dev)
     block_ids[..., 0] = tokens.gather(1, anchors)  # (B, N, Bs): [anchor token, MASK...]
     x = F.embedding(block_ids.view(b, t), embed)  # (B, T, H)
     context = drafter.hidden_norm(drafter.fc(features))  # (B, L, H)
     block_pos = (anchors[..., None] + offsets).view(b, t)  # (B, T)
-    positions = torch.cat([torch.arange(length).expand(b, length), block_pos], dim=1)  # (B, L+T)
+    positions = torch.cat([torch.arange(length, device=dev).expand(b, length), block_pos],
+                          dim=1)  # (B, L+T)
     cos, sin = drafter.rotary_emb(x, positions)  # (B, L+T, hd) each
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, L+T, hd)
     # A block query sees context strictly before its anchor, and every position of its own block.
     block_anchor = anchors.repeat_interleave(block_size, dim=1)  # (B, T)
-    sees_context = torch.arange(length)[None, None, :] < block_anchor[..., None]  # (B, T, L)
-    block_of = torch.arange(t) // block_size  # (T,)
+    sees_context = torch.arange(length, device=dev)[None, None, :] < block_anchor[..., None]
+    block_of = torch.arange(t, device=dev) // block_size  # (T,)
     sees_block = (block_of[:, None] == block_of[None, :]).expand(b, t, t)  # (B, T, T)
     mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]  # (B, 1, T, L+T)
     for layer in drafter.layers:
@@ -144,18 +148,23 @@ def draft_hidden(drafter, embed: torch.Tensor, features: torch.Tensor, tokens: t
 
 
 def sample_anchors(lengths: torch.Tensor, train_start: torch.Tensor, count: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                   seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`count` distinct random anchors per sequence in [max(train_start, 1), length - 1].
 
+    Row j's anchors are drawn from a generator seeded with seeds[j] alone, so a row gets the same
+    anchors whichever batch or process it is in (data-parallel training equals one process).
     Returns anchors (B, N) and a validity mask (B, N): short sequences get fewer real anchors.
     """
-    b, width = lengths.shape[0], int(lengths.max())
-    pos = torch.arange(width)[None]  # (1, L)
-    allowed = (pos >= train_start.clamp(min=1)[:, None]) & (pos < lengths[:, None])  # (B, L)
-    scores = torch.rand(b, width, generator=generator).masked_fill(~allowed, -1.0)  # (B, L)
-    k = min(count, width)
-    top, anchors = scores.topk(k, dim=1)  # (B, N)
-    return anchors, top >= 0
+    lo = train_start.clamp(min=1)  # (B,)
+    room = (lengths - lo).clamp(min=0)  # (B,) positions an anchor may take
+    n = max(1, min(count, int(room.max())))
+    anchors = torch.zeros(len(seeds), n, dtype=torch.long)
+    ok = torch.zeros(len(seeds), n, dtype=torch.bool)
+    for j, seed in enumerate(seeds):
+        k = min(n, int(room[j]))
+        pick = torch.randperm(int(room[j]), generator=torch.Generator().manual_seed(seed))[:k]
+        anchors[j, :k], ok[j, :k] = pick + lo[j], True
+    return anchors, ok
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -163,9 +172,21 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)  # (Bs-1,)
 
 
+@dataclass
+class LossSums:
+    """A batch's loss terms as sums, so that shards of one batch add up to the whole batch."""
+
+    weighted_ce: torch.Tensor  # sum of w * CE (with grad)
+    weight: float  # sum of w
+    first_hits: int  # block position 1 argmax == label
+    first_count: int
+    supervised: int  # supervised positions
+
+
 def block_loss(drafter, embed, head: torch.Tensor, label_map: torch.Tensor | None, batch,
-               anchors: torch.Tensor, anchor_ok: torch.Tensor, block_size: int, gamma: float):
-    """Position-weighted cross-entropy over all blocks; also first-position accuracy and count.
+               anchors: torch.Tensor, anchor_ok: torch.Tensor, block_size: int,
+               gamma: float) -> LossSums:
+    """Position-weighted cross-entropy over all blocks, with first-position hits, as sums.
 
     head: (K, H) LM-head rows of the kept labels (all V rows when label_map is None);
     label_map: (V,) token id -> row of `head`, -1 for labels outside it (ignored).
@@ -173,7 +194,7 @@ def block_loss(drafter, embed, head: torch.Tensor, label_map: torch.Tensor | Non
     hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors, block_size)
     hidden = hidden[:, :, 1:]  # (B, N, Bs-1, H): the MASK positions
     b, n = anchors.shape
-    label_pos = anchors[..., None] + torch.arange(block_size - 1)  # (B, N, Bs-1): a+k-1
+    label_pos = anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
     valid = (label_pos < batch.lengths[:, None, None]) & anchor_ok[..., None]  # (B, N, Bs-1)
     width = batch.labels.shape[1]
     labels = batch.labels.gather(1, label_pos.clamp(max=width - 1).view(b, -1)).view(label_pos.shape)
@@ -183,13 +204,35 @@ def block_loss(drafter, embed, head: torch.Tensor, label_map: torch.Tensor | Non
     logits = hidden @ head.T  # (B, N, Bs-1, K)
     ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.clamp(min=0).flatten(),
                          reduction="none").view(labels.shape)  # (B, N, Bs-1)
-    w = position_weights(block_size, gamma) * valid  # (B, N, Bs-1)
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    w = position_weights(block_size, gamma).to(valid.device) * valid  # (B, N, Bs-1)
     with torch.no_grad():
         first_ok = valid[..., 0]
         hits = (logits[..., 0, :].argmax(-1) == labels[..., 0]) & first_ok
-        acc = float(hits.sum()) / max(int(first_ok.sum()), 1)
-    return loss, acc, int(valid.sum())
+    return LossSums((ce * w).sum(), float(w.sum()), int(hits.sum()), int(first_ok.sum()),
+                    int(valid.sum()))
+
+
+class _BlockLoss(torch.nn.Module):
+    """block_loss as a module around the drafter, for DistributedDataParallel to wrap."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of w * CE, [weight, first hits, first count, supervised] as float64)."""
+        sums = block_loss(self.drafter, *args)
+        return sums.weighted_ce, torch.tensor(
+            [sums.weight, sums.first_hits, sums.first_count, sums.supervised], dtype=torch.float64)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) unless torch.distributed is initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 # --- schedule, data order ----------------------------------------------------------------------
@@ -247,12 +290,14 @@ class Trainer:
                                  f"{drafter.target_layer_ids}")
         self.drafter, self.data, self.config = drafter.train(), data, config
         self.embed = embed.detach()  # (V, H) frozen, shared with the target
+        self.device = self.embed.device  # the drafter, head and batches live where the target does
         self.out_dir = Path(out_dir)
         self.evaluate, self.callback, self.pad_id = evaluate, callback or (lambda event: None), pad_id
         vocab = lm_head.shape[0]
         if config.vocab_limit and config.vocab_limit < vocab:
-            keep, self.label_map = frequent_labels(data.label_counts(vocab), config.vocab_limit)
-            self.head = lm_head.detach()[keep].clone()  # (K, H)
+            keep, label_map = frequent_labels(data.label_counts(vocab), config.vocab_limit)
+            self.head = lm_head.detach()[keep.to(self.device)].clone()  # (K, H)
+            self.label_map = label_map.to(self.device)
         else:
             keep, self.head, self.label_map = None, lm_head.detach(), None  # (V, H)
         drafter.set_draft_vocab(keep)  # it drafts what it learned: saved as draft_vocab.json
@@ -265,27 +310,56 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, config))
         self.step = 0
         self.history = TrainHistory()
+        # Data parallel under torchrun: each process takes every world-th row of the global batch;
+        # DistributedDataParallel (gloo on CPU, nccl on GPU) averages the gradients.
+        self.rank, self.world = world()
+        if config.batch_size < self.world:
+            raise DflashTrtError(f"--batch-size {config.batch_size} is smaller than the "
+                                 f"{self.world} processes; give each process at least one row")
+        self.loss_module = _BlockLoss(drafter)
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.loss_module = DistributedDataParallel(self.loss_module, device_ids=ids)
+
+    @property
+    def is_writer(self) -> bool:
+        """The one process that evaluates and writes checkpoints."""
+        return self.rank == 0
 
     def train_step(self) -> StepStats:
-        """One optimizer step on the batch that belongs to self.step."""
+        """One optimizer step on the batch that belongs to self.step (this process's rows)."""
         import time
 
         t0 = time.perf_counter()
         config = self.config
-        batch = self.data.batch(batch_indices(self.step, len(self.data), config), self.pad_id)
-        gen = torch.Generator().manual_seed(config.seed * 7_919 + self.step)
-        anchors, ok = sample_anchors(batch.lengths, batch.train_start, config.anchors_per_seq, gen)
-        loss, acc, count = block_loss(self.drafter, self.embed, self.head, self.label_map, batch,
-                                      anchors, ok, config.block_size, config.gamma)
+        indices = batch_indices(self.step, len(self.data), config)
+        mine = range(self.rank, len(indices), self.world)
+        batch = self.data.batch([indices[j] for j in mine], self.pad_id)
+        seeds = [(config.seed * 1_000_003 + self.step) * 4_099 + j for j in mine]
+        anchors, ok = sample_anchors(batch.lengths, batch.train_start, config.anchors_per_seq,
+                                     seeds)
+        batch, anchors, ok = batch.to(self.device), anchors.to(self.device), ok.to(self.device)
+        weighted_ce, counts = self.loss_module(self.embed, self.head, self.label_map, batch,
+                                               anchors, ok, config.block_size, config.gamma)
+        totals = torch.cat([weighted_ce.detach().double().view(1).cpu(), counts])
+        totals = totals.to(self.device)  # whole-batch sums (nccl reduces on the GPU)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(totals)
+        ce_sum, weight, hits, first, supervised = totals.tolist()
+        weight = max(weight, 1e-6)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (weighted_ce * (self.world / weight)).backward()  # DDP divides by the world size
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return StepStats(self.step, float(loss.detach()), lr, float(grad_norm), acc, count,
-                         time.perf_counter() - t0)
+        return StepStats(self.step, ce_sum / weight, lr, float(grad_norm), hits / max(first, 1),
+                         int(supervised), time.perf_counter() - t0)
 
     def run(self) -> TrainHistory:
         """Train to config.steps; checkpoint every N steps, at the end, and on KeyboardInterrupt."""
@@ -300,21 +374,25 @@ class Trainer:
                 self.history.steps.append(stats)
                 self.history.wall_seconds = base_wall + time.perf_counter() - started
                 self.callback(stats)
-                if self.evaluate is not None and config.eval_every and \
+                if self.evaluate is not None and self.is_writer and config.eval_every and \
                         (self.step % config.eval_every == 0 or self.step == config.steps):
                     ev = self.evaluate(self)
                     self.history.evals.append(ev)
                     self.callback(ev)
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0 \
                         and self.step < config.steps:
-                    self.callback(CheckpointSaved(self.step, self.save_checkpoint()))
+                    self._checkpoint()
         except KeyboardInterrupt:
             self.history.wall_seconds = base_wall + time.perf_counter() - started
-            self.callback(CheckpointSaved(self.step, self.save_checkpoint()))
+            self._checkpoint()
             raise
         self.history.wall_seconds = base_wall + time.perf_counter() - started
-        self.callback(CheckpointSaved(self.step, self.save_checkpoint()))
+        self._checkpoint()
         return self.history
+
+    def _checkpoint(self) -> None:
+        if self.is_writer:
+            self.callback(CheckpointSaved(self.step, self.save_checkpoint()))
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -342,7 +420,7 @@ class Trainer:
         path = Path(path or self.out_dir / CHECKPOINT)
         if not path.is_file():
             raise DflashTrtError(f"--resume: no checkpoint at {path}; start without --resume")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location=self.device, weights_only=False)
         saved = dict(state["config"])
         now = asdict(self.config)
         differ = [k for k in now if k not in ("steps", "checkpoint_every", "eval_every")
@@ -354,7 +432,7 @@ class Trainer:
         self.drafter.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
         self.step = int(state["step"])
         hist = state["history"]
         self.history = TrainHistory([StepStats(**s) for s in hist["steps"]],
