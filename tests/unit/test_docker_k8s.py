@@ -335,3 +335,11 @@ def test_train_job_runs_a_valid_train_drafter_under_torchrun():
 def test_train_job_validates():
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
     kv.validate(yaml.safe_load(TRAIN_JOB.read_text()), kv.latest_version(), strict=True)
+
+
+def test_train_job_asks_for_one_gpu_per_process():
+    job = yaml.safe_load(TRAIN_JOB.read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    procs = int(re.search(r"--nproc_per_node=(\d+)", container["args"][0]).group(1))
+    assert "--device cuda" in container["args"][0]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == procs
