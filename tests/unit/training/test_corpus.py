@@ -184,7 +184,10 @@ def test_sampled_generation_is_seeded_and_greedy_is_generate():
     model = tiny_target("llama", seed=0)
     ids = torch.tensor([[3, 4, 5, 6], [0, 7, 8, 9]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
-    run = lambda **kw: corpus._generate(model, ids, mask, max_new_tokens=12, eos=1, pad=0, **kw)
+
+    def run(**kw):
+        return corpus._generate(model, ids, mask, max_new_tokens=12, eos=1, pad=0, **kw)
+
     a, b, c = run(temperature=1.0, seed=3), run(temperature=1.0, seed=3), run(temperature=1.0, seed=4)
     assert torch.equal(a, b) and not torch.equal(a, c)
     with torch.inference_mode():

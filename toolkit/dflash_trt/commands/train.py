@@ -234,14 +234,17 @@ def write_curves(history, path: Path) -> None:
               type=click.Choice(["float32", "bfloat16", "float16"]),
               help="dtype of the written drafter weights: bfloat16, what TensorRT-LLM's DFlash "
               "attention takes (bf16/fp16 only) and half the size; float32 for exact replay.")
+@click.option("--keep-best", is_flag=True, help="Write the drafter of the evaluation with the "
+              "best held-out acceptance, not the last step's (early stopping, against "
+              "memorising a small corpus); checkpoints still hold every step.")
 @click.option("--threads", type=click.IntRange(1), help="torch threads (default: torch's choice).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
               help="Where the target and drafter run; under torchrun, cuda means GPU LOCAL_RANK.")
 def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_target,
                   mask_token_id, data, self_chat, answer_temperature, heldout, output, steps, batch_size, lr, warmup_steps,
                   block_size, anchors_per_seq, gamma, vocab_limit, max_len, max_samples,
-                  max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, threads,
-                  device):
+                  max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, keep_best,
+                  threads, device):
     """Train a DFlash drafter on the target's own predictions (self-distillation)."""
     import torch
     from rich.progress import (
@@ -345,6 +348,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
 
         train_task = progress.add_task("training", total=steps, info="")
         last_eval = {"tau": None}
+        best = {"tau": None, "step": None, "state": None}  # --keep-best: the best evaluation
 
         def on_event(event) -> None:
             if isinstance(event, StepStats):
@@ -355,6 +359,9 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
                     + (f"  accept {tau:.2f}" if tau is not None else "")))
             elif isinstance(event, EvalStats):
                 last_eval["tau"] = event.acceptance_length
+                if keep_best and (best["tau"] is None or event.acceptance_length > best["tau"]):
+                    best.update(tau=event.acceptance_length, step=event.step,
+                                state={k: v.detach().clone() for k, v in drafter.state_dict().items()})
             elif isinstance(event, CheckpointSaved):
                 progress.console.log(f"checkpoint at step {event.step}: {event.path}")
 
@@ -378,6 +385,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     import copy
 
     copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
+    if best["state"] is not None:
+        drafter.load_state_dict(best["state"])  # the written drafter is the best evaluated one
     final = estimate_acceptance(drafter, embed, head, held_store, max_new_tokens=max_new_tokens,
                                 stop_token_ids=stop_ids) if held_store is not None else None
     report = {
@@ -391,9 +400,12 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         "loss_curve": [[s.step, round(s.loss, 4)] for s in history.steps],
         "acceptance_curve": [[e.step, round(e.acceptance_length, 4)] for e in history.evals],
         "heldout_acceptance": asdict(final) if final else None,
+        "written_step": best["step"] if best["state"] is not None else trainer.step,
     }
     (out / "drafter" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_curves(history, out / "drafter" / "training_curves.png")
+    if best["state"] is not None:
+        click.echo(f"best held-out acceptance {best['tau']:.2f} at step {best['step']}")
     click.echo(f"drafter written to {out / 'drafter'}"
                + (f"; held-out acceptance {final.mean_acceptance_length:.2f}" if final else ""))
 

