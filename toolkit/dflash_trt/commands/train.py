@@ -12,7 +12,7 @@ import hashlib
 import json
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
@@ -82,7 +82,8 @@ def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tok
                                        max_new_tokens=max_new_tokens, temperature=temperature,
                                        seed=seed, on_batch=on_progress):
             answered[s.prompt] = s
-    return [answered.get(s.prompt, s) if s.needs_answer else s for s in samples]
+    return [replace(answered[s.prompt], source=s.source) if s.needs_answer and s.prompt in answered
+            else s for s in samples]  # answered samples keep their source's name in the report
 
 
 def prepare_data(progress, model, tokenizer, target, samples, held_samples, cache: Path, *,
