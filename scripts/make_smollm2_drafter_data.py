@@ -13,7 +13,8 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
 - part `self-chat`:
   - self-chat-turns.jsonl, heldout-chat-turns.jsonl   user turns the target wrote (seeds 0, 1;
                             at most 64 tokens, temperature 1, top-p 0.95)
-  - self-chat-answers.jsonl      answers to N of them (train)
+  - self-chat-answers.jsonl      answers to N of them (train), less any that quotes an
+                                 evaluation prompt (answers/ keeps every answer, the cache)
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
 - part `rehearsal`:
   - rehearsal-answers.jsonl  answers to the last N builtin:method-prompts (--rehearsal N; code
@@ -88,8 +89,21 @@ def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: 
                                    on_batch=lambda d, t: log(t0, "held-out turns", d, t))
     for name, prompts_ in (("heldout-chat-answers.jsonl", held),
                            ("self-chat-answers.jsonl", train)):
-        corpus.answer_prompts(model, tokenizer, prompts_, out / name, batch_size=32,
-                              on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+        answers = corpus.answer_prompts(model, tokenizer, prompts_, out / "answers" / name,
+                                        batch_size=32,
+                                        on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+        write_without_eval_prompts(answers, out / name)
+
+
+def write_without_eval_prompts(answers, path: Path) -> None:
+    """The answers as .jsonl rows, less those that quote an evaluation prompt (an answer may
+    write a common HumanEval signature itself; train-drafter refuses such rows)."""
+    kept = [a for a in answers if not corpus.holds_eval_prompt(a)]
+    path.write_text("".join(json.dumps({"prompt": a.prompt, "response": a.response,
+                                        "response_ids": list(a.response_ids)}) + "\n"
+                            for a in kept))
+    print(f"{path.name}: {len(kept)} rows ({len(answers) - len(kept)} quoting an evaluation "
+          "prompt dropped)", flush=True)
 
 
 def rehearsal_part(out: Path, model, tokenizer, t0: float, count: int) -> None:

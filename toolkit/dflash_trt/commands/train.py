@@ -116,6 +116,9 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
     samples = answer_pending(samples, data, model, tokenizer, cache,
                              max_new_tokens=max_new_tokens, on_progress=answered,
                              temperature=answer_temperature, seed=seed)
+    # What the target wrote itself may quote an evaluation prompt (a common signature such as
+    # `def is_prime(n):` in an answer): such samples are dropped, never trained on.
+    samples = [s for s in samples if s.source != SELF_CHAT or not corpus.holds_eval_prompt(s)]
     held_samples = answer_pending(held_samples, heldout, model, tokenizer, cache,
                                   max_new_tokens=max_new_tokens, on_progress=answered)
     train_prompts = {s.prompt for s in samples if s.prompt is not None}

@@ -299,6 +299,11 @@ def eval_prompt_in(text: str) -> str | None:
     return next((p for p in _chat_eval_prompts() if p in norm), None)
 
 
+def holds_eval_prompt(sample: Sample) -> bool:
+    return any(part and eval_prompt_in(part) for part in (sample.text, sample.prompt,
+                                                          sample.response))
+
+
 def check_no_eval_prompts(samples: Iterable[Sample]) -> None:
     """Refuse training data that contains an evaluation prompt (HumanEval, builtin:chat)."""
     for sample in samples:
