@@ -300,8 +300,7 @@ def eval_prompt_in(text: str) -> str | None:
 
 
 def holds_eval_prompt(sample: Sample) -> bool:
-    return any(part and eval_prompt_in(part) for part in (sample.text, sample.prompt,
-                                                          sample.response))
+    return any(eval_prompt_in(p) for p in (sample.text, sample.prompt, sample.response) if p)
 
 
 def check_no_eval_prompts(samples: Iterable[Sample]) -> None:
@@ -364,7 +363,7 @@ def tokenize_samples(samples: Iterable[Sample], tokenizer, *, max_len: int,
 
 
 def _prompt_key(prompt: str, max_new_tokens: int, temperature: float = 0.0) -> str:
-    tag = f"{max_new_tokens}" if temperature == 0 else f"{max_new_tokens}@{temperature}"
+    tag = max_new_tokens if temperature == 0 else f"{max_new_tokens}@{temperature}"
     return hashlib.sha256(f"{tag}\0{prompt}".encode()).hexdigest()[:20]
 
 
@@ -462,14 +461,11 @@ def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: in
                      max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95,
                      batch_size: int = 32, exclude: Iterable[str] = (),
                      on_batch=None) -> list[str]:
-    """Up to `count` distinct chat prompts the target writes itself, for self-distillation.
-
-    The target is given its chat template's user prefix and samples the user's turn (batch b
-    seeded with seed and b, so a run is reproducible and resumes from `cache_file`, one line per
-    batch). A turn is kept when it ends (the stop token) within max_new_tokens, is at least 12
-    characters, is new (compared without case and spacing, also against `exclude`) and holds no
-    evaluation prompt. Stops after count / batch_size * 4 batches whatever it has.
-    """
+    """Up to `count` distinct chat prompts the target writes itself: given its chat template's
+    user prefix, it samples the user's turn (batch b seeded with seed and b: reproducible, and
+    resumed from `cache_file`, one line per batch). A turn is kept when it ends within
+    max_new_tokens, has 12+ characters, is new (without case and spacing, also against `exclude`)
+    and holds no evaluation prompt. Gives up after count / batch_size * 4 batches."""
     import torch
 
     batch_size = min(batch_size, count)
