@@ -53,6 +53,11 @@ def test_train_drafter_one_and_two_processes(tmp_path):
                               .splitlines()) for t in row["turns"] if t]
     assert turns and not any(corpus.eval_prompt_in(t) for t in turns)
     DFlashDraftModel.from_pretrained(one / "drafter")  # loads in the reference format
+    # --keep-best: the written drafter is the checkpoint of the best evaluation, not the last step.
+    best = load_file(one / "checkpoints" / f"step-{report['written_step']:06d}" / "model.safetensors")
+    written = load_file(one / "drafter" / "model.safetensors")
+    assert best.keys() == written.keys()
+    assert all(torch.equal(best[k], written[k]) for k in best)
 
     # Two processes on the same data (the cache is copied, so nothing is answered again).
     two = tmp_path / "two"

@@ -17,9 +17,11 @@ from dflash_trt.training.train import (
     StepStats,
     TrainConfig,
     Trainer,
+    block_loss,
     draft_hidden,
     lr_factor,
     sample_anchors,
+    soft_cross_entropy,
 )
 
 CONFIG = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=4, block_size=4,
@@ -157,3 +159,70 @@ def test_store_matches_on_the_fly_features(tmp_path):
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
     torch.testing.assert_close(a.features, b.features, rtol=2e-3, atol=2e-3)  # stored as fp16
     assert (store.label_counts(128) == live.label_counts(128)).all()
+
+
+def test_soft_labels_of_one_token_are_the_hard_labels():
+    logits = torch.randn(3, 5, 10, dtype=torch.float64)
+    ids = torch.randint(0, 10, (3, 5, 1))
+    soft = soft_cross_entropy(logits, ids, torch.zeros(3, 5, 1), None)
+    hard = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(),
+                                             reduction="none").view(3, 5)
+    torch.testing.assert_close(soft, hard)
+
+
+def test_soft_labels_renormalise_over_the_kept_tokens():
+    logits = torch.tensor([[0.0, 1.0, 2.0]], dtype=torch.float64)  # the head's 3 kept tokens
+    label_map = torch.tensor([-1, 0, 1, -1, 2])  # token ids 1, 2, 4 are kept
+    ids = torch.tensor([[0, 2, 4]])  # token 0 (not kept), 2 -> row 1, 4 -> row 2
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.1]]))
+    got = soft_cross_entropy(logits, ids, logp, label_map)
+    logq = torch.log_softmax(logits, -1)[0]
+    want = -(0.75 * logq[1] + 0.25 * logq[2])  # 0.3 and 0.1, renormalised
+    torch.testing.assert_close(got, want.view(1))
+    none_kept = soft_cross_entropy(logits, torch.tensor([[0, 3, 3]]), logp, label_map)
+    assert none_kept.item() == 0.0  # no kept token: nothing to learn there
+
+
+def test_store_keeps_the_targets_top_k(tmp_path):
+    model, target, _ = setup()
+    seqs = greedy_sequences(model, 4)
+    store = build_store(target, seqs, tmp_path / "store", batch_size=2, topk=5)
+    live = OnTheFlyFeatures(target, seqs, topk=5)
+    a, b = store.batch([2, 0]), live.batch([2, 0])
+    assert a.topk_ids.shape == (2, a.tokens.shape[1], 5)
+    n = int(a.lengths[0])
+    assert torch.equal(a.topk_ids[0, :n, 0], a.labels[0, :n])  # the top-1 is the argmax label
+    with torch.no_grad():
+        logp = torch.log_softmax(model(a.tokens[:1, :n]).logits[0].float(), -1)
+    torch.testing.assert_close(a.topk_logp[0, :n], logp.gather(-1, a.topk_ids[0, :n]),
+                               rtol=0, atol=2e-2)  # stored as fp16
+    assert torch.equal(a.topk_ids, b.topk_ids)
+    torch.testing.assert_close(a.topk_logp, b.topk_logp, rtol=0, atol=2e-2)
+    assert torch.isinf(a.topk_logp[1, int(a.lengths[1]):]).all()  # padding has no soft label
+
+
+def test_block_loss_with_top_1_soft_labels_equals_hard_labels(tmp_path):
+    model, target, drafter = setup(block_size=CONFIG.block_size)
+    batch = build_store(target, greedy_sequences(model, 3), tmp_path / "s", topk=3).batch([0, 1, 2])
+    anchors, ok = sample_anchors(batch.lengths, batch.train_start, 6, [1, 2, 3])
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    hard = block_loss(drafter, embed, head, None, batch, anchors, ok, CONFIG.block_size, 4.0)
+    soft = block_loss(drafter, embed, head, None, batch, anchors, ok, CONFIG.block_size, 4.0, topk=1)
+    torch.testing.assert_close(soft.weighted_ce, hard.weighted_ce)
+    wider = block_loss(drafter, embed, head, None, batch, anchors, ok, CONFIG.block_size, 4.0, topk=3)
+    assert wider.weight == hard.weight and not torch.isclose(wider.weighted_ce, hard.weighted_ce)
+
+
+def test_top_k_distillation_learns_and_needs_stored_top_k(tmp_path):
+    model, target, _ = setup(block_size=CONFIG.block_size)
+    config = dataclasses.replace(CONFIG, distill_topk=4)
+    with pytest.raises(DflashTrtError, match="top 0 only"):
+        _trainer(tmp_path / "a", config, data=OnTheFlyFeatures(target, greedy_sequences(model, 16)))
+    trainer, model, target = _trainer(tmp_path / "b", config, data=OnTheFlyFeatures(
+        target, greedy_sequences(model, 16), topk=4))
+    held = build_store(target, greedy_sequences(model, 6, seed=99), tmp_path / "held")
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    before = estimate_acceptance(trainer.drafter, embed, head, held, max_new_tokens=24)
+    trainer.run()
+    after = estimate_acceptance(trainer.drafter, embed, head, held, max_new_tokens=24)
+    assert after.mean_acceptance_length > before.mean_acceptance_length + 0.5

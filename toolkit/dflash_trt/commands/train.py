@@ -64,8 +64,9 @@ def copy_target_layers(drafter, target_model) -> list[int]:
 
 
 def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len: int,
-               num_samples: int) -> str:
-    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples])
+               num_samples: int, topk: int = 0) -> str:
+    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples]
+                     + ([topk] if topk else []))  # stores made before top-k keep their key
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -89,7 +90,7 @@ def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tok
 def prepare_data(progress, model, tokenizer, target, samples, held_samples, cache: Path, *,
                  data: list[str], heldout: list[str], target_dir: Path, self_chat: int,
                  max_samples: int | None, max_len: int, max_new_tokens: int,
-                 answer_temperature: float, seed: int, pad_id: int) -> dict:
+                 answer_temperature: float, seed: int, pad_id: int, topk: int = 0) -> dict:
     """Answer what needs answering, extract target features into stores (reused when the same
     data comes again); returns {"train": store dir, "heldout": store dir or None}."""
     from dflash_trt.training import corpus
@@ -126,13 +127,13 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
 
     stats = corpus.CorpusStats()
-    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples))
+    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples), topk)
     store_dir = cache / f"features-{key}"
     if not (store_dir / "meta.json").is_file():
         seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
         feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
                                       info="tokens")
-        build_store(target, seqs, store_dir, pad_id=pad_id, sources=data,
+        build_store(target, seqs, store_dir, pad_id=pad_id, sources=data, topk=topk,
                     on_progress=lambda n: progress.advance(feat_task, n))
         (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
     held_dir = None
@@ -225,6 +226,9 @@ def write_curves(history, path: Path) -> None:
 @click.option("--vocab-limit", default=8192, show_default=True, type=click.IntRange(0),
               help="Softmax over the N most frequent labels while training; the drafter then "
                    "drafts only those tokens (draft_vocab.json). 0: the full vocabulary.")
+@click.option("--distill-topk", default=0, show_default=True, type=click.IntRange(0, 256),
+              help="Soft labels: train on the target's top-K next-token distribution (stored "
+                   "with the features) instead of its argmax; 0 = argmax labels.")
 @click.option("--max-len", default=512, show_default=True, type=click.IntRange(16),
               help="Tokens per training sequence.")
 @click.option("--max-samples", type=click.IntRange(1), help="At most N samples per data source.")
@@ -246,7 +250,7 @@ def write_curves(history, path: Path) -> None:
               help="Where the target and drafter run; under torchrun, cuda means GPU LOCAL_RANK.")
 def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_target,
                   mask_token_id, data, self_chat, answer_temperature, heldout, output, steps, batch_size, lr, warmup_steps,
-                  block_size, anchors_per_seq, gamma, vocab_limit, max_len, max_samples,
+                  block_size, anchors_per_seq, gamma, vocab_limit, distill_topk, max_len, max_samples,
                   max_new_tokens, seed, resume, checkpoint_every, eval_every, save_dtype, keep_best,
                   threads, device):
     """Train a DFlash drafter on the target's own predictions (self-distillation)."""
@@ -325,7 +329,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
                 progress, model, tokenizer, target, samples, held_samples, cache, data=list(data),
                 heldout=list(heldout), target_dir=target_dir, self_chat=self_chat,
                 max_samples=max_samples, max_len=max_len, max_new_tokens=max_new_tokens,
-                answer_temperature=answer_temperature, seed=seed, pad_id=pad_id)
+                answer_temperature=answer_temperature, seed=seed, pad_id=pad_id,
+                topk=distill_topk)
             (cache / "stores.json").write_text(json.dumps(stores) + "\n")
         barrier()
         stores = json.loads((cache / "stores.json").read_text())
@@ -337,7 +342,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         # 4. Train.
         config = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
                              block_size=block_size, anchors_per_seq=anchors_per_seq, gamma=gamma,
-                             seed=seed, vocab_limit=vocab_limit, checkpoint_every=checkpoint_every,
+                             seed=seed, vocab_limit=vocab_limit, distill_topk=distill_topk,
+                             checkpoint_every=checkpoint_every,
                              eval_every=eval_every if stores["heldout"] else 0)
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
@@ -388,9 +394,9 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     # 5. Outputs: the drafter (reference format), the report and the curves.
     import copy
 
-    copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
     if best["state"] is not None:
         drafter.load_state_dict(best["state"])  # the written drafter is the best evaluated one
+    copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
     final = estimate_acceptance(drafter, embed, head, held_store, max_new_tokens=max_new_tokens,
                                 stop_token_ids=stop_ids) if held_store is not None else None
     report = {

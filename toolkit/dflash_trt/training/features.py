@@ -5,6 +5,8 @@ building nor reading it holds more than one batch in memory, whatever the corpus
 
     tokens.bin    int32 (N,)        all sequences' token ids, back to back
     labels.bin    int32 (N,)        labels[j] = argmax of the target's logits at j (predicts j+1)
+    topk_ids.bin  int32 (N, K)      optional (K = meta "topk" > 0): the target's K most likely
+    topk_logp.bin float16 (N, K)    next tokens at j and their log-probabilities (soft labels)
     features.bin  float16 (N, k*H)  hidden_states[id + 1] of each target layer id, concatenated
                                     (float32 on request: exact replays for the estimator)
     index.npy     int64 (S, 3)      per sequence: offset, length, train_start
@@ -16,6 +18,7 @@ building nor reading it holds more than one batch in memory, whatever the corpus
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
@@ -39,15 +42,28 @@ class FeatureBatch:
     features: torch.Tensor  # (B, L, k*H) float32
     lengths: torch.Tensor  # (B,) long
     train_start: torch.Tensor  # (B,) long: first position anchors may take
+    topk_ids: torch.Tensor | None = None  # (B, L, K) long: the target's K most likely next tokens
+    topk_logp: torch.Tensor | None = None  # (B, L, K) float32: their log-probabilities
 
     def to(self, device) -> FeatureBatch:
-        return FeatureBatch(*(t.to(device) for t in (self.tokens, self.labels, self.features,
-                                                     self.lengths, self.train_start)))
+        return FeatureBatch(*(None if t is None else t.to(device) for t in (
+            self.tokens, self.labels, self.features, self.lengths, self.train_start,
+            self.topk_ids, self.topk_logp)))
+
+
+@dataclass
+class Extracted:
+    """What one target pass gives per position: features, argmax labels, optional top-k."""
+
+    features: torch.Tensor  # (B, L, k*H)
+    labels: torch.Tensor  # (B, L) long
+    topk_ids: torch.Tensor | None = None  # (B, L, K) long
+    topk_logp: torch.Tensor | None = None  # (B, L, K) float32
 
 
 @torch.no_grad()  # not inference_mode: the features feed a graph that trains
-def extract(target: HFTarget, ids: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features (B, L, k*H) and argmax labels (B, L) of right-padded ids (B, L).
+def extract(target: HFTarget, ids: torch.Tensor, chunk: int = 256, topk: int = 0) -> Extracted:
+    """Features, argmax labels and (topk > 0) the top-k log-probabilities of right-padded ids.
 
     Right padding needs no attention mask: attention is causal, so real positions never see it.
     The LM head runs in chunks of positions to keep the (chunk, V) logits small.
@@ -55,9 +71,19 @@ def extract(target: HFTarget, ids: torch.Tensor, chunk: int = 256) -> tuple[torc
     ids = ids.to(target.model.device)
     hidden, features = target.forward(ids, None, True)  # (B, L, H), (B, L, k*H)
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B*L, H)
-    labels = torch.cat([target.logits(flat[i:i + chunk]).argmax(-1)
-                        for i in range(0, flat.shape[0], chunk)])  # (B*L,)
-    return features, labels.view(ids.shape)
+    labels, top_ids, top_logp = [], [], []
+    for i in range(0, flat.shape[0], chunk):
+        logits = target.logits(flat[i:i + chunk]).float()  # (chunk, V)
+        labels.append(logits.argmax(-1))
+        if topk:
+            logp, idx = torch.log_softmax(logits, -1).topk(topk, dim=-1)  # (chunk, K)
+            top_ids.append(idx)
+            top_logp.append(logp)
+    shape = ids.shape
+    if not topk:
+        return Extracted(features, torch.cat(labels).view(shape))
+    return Extracted(features, torch.cat(labels).view(shape), torch.cat(top_ids).view(*shape, topk),
+                     torch.cat(top_logp).view(*shape, topk))
 
 
 def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
@@ -67,25 +93,31 @@ def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
 
 def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: Path, *,
                 batch_size: int = 8, pad_id: int = 0, sources: Sequence[str] = (),
-                dtype: str = "float16", on_progress: Callable[[int], None] | None = None) -> FeatureStore:
-    """Run the target over the sequences and write a FeatureStore at out_dir (atomically)."""
+                dtype: str = "float16", topk: int = 0,
+                on_progress: Callable[[int], None] | None = None) -> FeatureStore:
+    """Run the target over the sequences and write a FeatureStore at out_dir (atomically);
+    topk > 0 also stores the target's top-k next tokens and log-probabilities per position."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     index, offset, dim = [], 0, None
     with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "labels.bin", "wb") as fl, \
-            open(tmp / "features.bin", "wb") as ff:
+            open(tmp / "features.bin", "wb") as ff, \
+            open(tmp / "topk_ids.bin", "wb") as fi, open(tmp / "topk_logp.bin", "wb") as fp:
         def flush(batch: list[TokenSequence]) -> None:
             nonlocal offset, dim
-            feats, labels = extract(target, _pad([s.ids for s in batch], pad_id))
-            feats, labels = feats.cpu(), labels.cpu()
+            got = extract(target, _pad([s.ids for s in batch], pad_id), topk=topk)
+            feats, labels = got.features.cpu(), got.labels.cpu()
             dim = feats.shape[-1]
             for row, seq in enumerate(batch):
                 n = len(seq.ids)
                 np.asarray(seq.ids, dtype=np.int32).tofile(ft)
                 labels[row, :n].numpy().astype(np.int32).tofile(fl)
                 feats[row, :n].to(getattr(torch, dtype)).numpy().tofile(ff)
+                if topk:
+                    got.topk_ids[row, :n].cpu().numpy().astype(np.int32).tofile(fi)
+                    got.topk_logp[row, :n].cpu().numpy().astype(np.float16).tofile(fp)
                 index.append((offset, n, seq.train_start))
                 offset += n
             if on_progress is not None:
@@ -108,8 +140,11 @@ def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: P
         raise DflashTrtError("no training sequences: the data is empty or every sample is "
                              "shorter than 8 tokens")
     np.save(tmp / "index.npy", np.asarray(index, dtype=np.int64))
+    if not topk:
+        (tmp / "topk_ids.bin").unlink()
+        (tmp / "topk_logp.bin").unlink()
     meta = {"target_layer_ids": target.layer_ids, "feature_dim": dim, "dtype": dtype,
-            "num_tokens": offset,
+            "num_tokens": offset, "topk": topk,
             "num_sequences": len(index), "sources": list(sources)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -133,6 +168,12 @@ class FeatureStore:
         self.features = np.memmap(self.root / "features.bin", mode="r",
                                   dtype=np.dtype(self.meta.get("dtype", "float16")),
                                   shape=(n, dim))
+        self.topk = int(self.meta.get("topk", 0))
+        if self.topk:
+            self.topk_ids = np.memmap(self.root / "topk_ids.bin", dtype=np.int32, mode="r",
+                                      shape=(n, self.topk))
+            self.topk_logp = np.memmap(self.root / "topk_logp.bin", dtype=np.float16, mode="r",
+                                       shape=(n, self.topk))
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -166,7 +207,15 @@ class FeatureStore:
             feats[j, :n] = torch.from_numpy(np.array(feat, dtype=np.float32))
         lengths = torch.tensor([len(r[0]) for r in rows])
         starts = torch.tensor([r[3] for r in rows])
-        return FeatureBatch(tokens, labels, feats, lengths, starts)
+        top_ids = top_logp = None
+        if self.topk:
+            top_ids = torch.zeros(b, width, self.topk, dtype=torch.long)
+            top_logp = torch.full((b, width, self.topk), -math.inf)
+            for j, i in enumerate(indices):
+                offset, n, _ = (int(v) for v in self.index[int(i)])
+                top_ids[j, :n] = torch.from_numpy(self.topk_ids[offset:offset + n].astype(np.int64))
+                top_logp[j, :n] = torch.from_numpy(self.topk_logp[offset:offset + n].astype(np.float32))
+        return FeatureBatch(tokens, labels, feats, lengths, starts, top_ids, top_logp)
 
     def label_counts(self, vocab_size: int) -> np.ndarray:
         """How often each token id is a label, over positions anchors can train on."""
@@ -180,10 +229,10 @@ class FeatureStore:
 class OnTheFlyFeatures:
     """The FeatureStore interface over in-memory sequences, running the target per batch."""
 
-    def __init__(self, target: HFTarget, sequences: Sequence[TokenSequence]):
+    def __init__(self, target: HFTarget, sequences: Sequence[TokenSequence], topk: int = 0):
         if not sequences:
             raise DflashTrtError("no training sequences: the data is empty")
-        self.target, self.sequences = target, list(sequences)
+        self.target, self.sequences, self.topk = target, list(sequences), topk
         self.target_layer_ids = list(target.layer_ids)
         self.num_tokens = sum(len(s.ids) for s in self.sequences)
 
@@ -193,10 +242,15 @@ class OnTheFlyFeatures:
     def batch(self, indices: Sequence[int], pad_id: int = 0) -> FeatureBatch:
         seqs = [self.sequences[int(i)] for i in indices]
         tokens = _pad([s.ids for s in seqs], pad_id)  # (B, L)
-        feats, labels = extract(self.target, tokens)
-        return FeatureBatch(tokens, labels.cpu(), feats.float().cpu(),
-                            torch.tensor([len(s.ids) for s in seqs]),
-                            torch.tensor([s.train_start for s in seqs]))
+        got = extract(self.target, tokens, topk=self.topk)
+        lengths = torch.tensor([len(s.ids) for s in seqs])
+        top_ids = top_logp = None
+        if self.topk:  # padding gets no soft label, as in FeatureStore.batch
+            pad = torch.arange(tokens.shape[1])[None, :] >= lengths[:, None]  # (B, L)
+            top_ids = got.topk_ids.cpu().masked_fill(pad[..., None], 0)
+            top_logp = got.topk_logp.cpu().masked_fill(pad[..., None], -math.inf)
+        return FeatureBatch(tokens, got.labels.cpu(), got.features.float().cpu(), lengths,
+                            torch.tensor([s.train_start for s in seqs]), top_ids, top_logp)
 
     def label_counts(self, vocab_size: int) -> np.ndarray:
         counts = np.zeros(vocab_size, dtype=np.int64)

@@ -10,7 +10,9 @@ One step:
    All blocks of a sequence run in one pass with a block-diagonal mask.
 4. Block position k (1..B-1) predicts the target's argmax at a+k-1; cross-entropy weighted by
    w_k = exp(-(k-1)/gamma), through the target's frozen LM head (optionally restricted to the most
-   frequent labels, which is most of the cost saved on CPU).
+   frequent labels, which is most of the cost saved on CPU). With distill_topk = K the label is
+   soft instead: the target's top-K next-token distribution (renormalised over the tokens the head
+   keeps), from the feature store.
 5. AdamW, linear warm-up then cosine decay, gradient clipping. Losses are whole-batch sums over
    whole-batch weights, so N processes (DistributedDataParallel) step as one process would.
 
@@ -52,6 +54,7 @@ class TrainConfig:
     gamma: float = 7.0
     seed: int = 0
     vocab_limit: int = 0  # > 0: softmax over the most frequent labels only (0 = full vocabulary)
+    distill_topk: int = 0  # > 0: soft labels, the target's top-k distribution (0 = its argmax)
     checkpoint_every: int = 200
     eval_every: int = 200
 
@@ -183,13 +186,31 @@ class LossSums:
     supervised: int  # supervised positions
 
 
+def soft_cross_entropy(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
+                       label_map: torch.Tensor | None) -> torch.Tensor:
+    """-sum_j p_j log q(t_j) per position: p is the target's top-k distribution renormalised over
+    the tokens `logits` covers (rows of label_map >= 0), q the drafter's softmax.
+
+    logits (..., K); top_ids, top_logp (..., k); returns (...).
+    """
+    if label_map is not None:
+        top_ids = label_map[top_ids]
+        top_logp = top_logp.masked_fill(top_ids < 0, -math.inf)
+    p = torch.softmax(top_logp, -1).nan_to_num(0.0)  # a position with no kept token: all zero
+    logq = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    logq = logq.gather(-1, top_ids.clamp(min=0))
+    return -(p * logq).sum(-1)
+
+
 def block_loss(drafter, embed, head: torch.Tensor, label_map: torch.Tensor | None, batch,
                anchors: torch.Tensor, anchor_ok: torch.Tensor, block_size: int,
-               gamma: float) -> LossSums:
+               gamma: float, topk: int = 0) -> LossSums:
     """Position-weighted cross-entropy over all blocks, with first-position hits, as sums.
 
     head: (K, H) LM-head rows of the kept labels (all V rows when label_map is None);
     label_map: (V,) token id -> row of `head`, -1 for labels outside it (ignored).
+    topk > 0: against the batch's top-k soft labels (its first topk of each position) instead of
+    the argmax labels.
     """
     hidden = draft_hidden(drafter, embed, batch.features, batch.tokens, anchors, block_size)
     hidden = hidden[:, :, 1:]  # (B, N, Bs-1, H): the MASK positions
@@ -202,8 +223,14 @@ def block_loss(drafter, embed, head: torch.Tensor, label_map: torch.Tensor | Non
         labels = label_map[labels]  # (B, N, Bs-1)
         valid &= labels >= 0
     logits = hidden @ head.T  # (B, N, Bs-1, K)
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.clamp(min=0).flatten(),
-                         reduction="none").view(labels.shape)  # (B, N, Bs-1)
+    if topk:
+        flat = label_pos.clamp(max=width - 1).view(b, -1, 1).expand(-1, -1, topk)
+        top = [t[..., :topk].gather(1, flat).view(*label_pos.shape, topk)
+               for t in (batch.topk_ids, batch.topk_logp)]
+        ce = soft_cross_entropy(logits, *top, label_map)  # (B, N, Bs-1)
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.clamp(min=0).flatten(),
+                             reduction="none").view(labels.shape)  # (B, N, Bs-1)
     w = position_weights(block_size, gamma).to(valid.device) * valid  # (B, N, Bs-1)
     with torch.no_grad():
         first_ok = valid[..., 0]
@@ -288,6 +315,10 @@ class Trainer:
             raise DflashTrtError(f"features were extracted from target layers "
                                  f"{data.target_layer_ids} but the drafter reads "
                                  f"{drafter.target_layer_ids}")
+        if config.distill_topk > getattr(data, "topk", 0):
+            raise DflashTrtError(f"distill_topk {config.distill_topk}: the features hold the "
+                                 f"target's top {getattr(data, 'topk', 0)} only; extract them "
+                                 "with topk >= distill_topk")
         self.drafter, self.data, self.config = drafter.train(), data, config
         self.embed = embed.detach()  # (V, H) frozen, shared with the target
         self.device = self.embed.device  # the drafter, head and batches live where the target does
@@ -342,7 +373,8 @@ class Trainer:
                                      seeds)
         batch, anchors, ok = batch.to(self.device), anchors.to(self.device), ok.to(self.device)
         weighted_ce, counts = self.loss_module(self.embed, self.head, self.label_map, batch,
-                                               anchors, ok, config.block_size, config.gamma)
+                                               anchors, ok, config.block_size, config.gamma,
+                                               config.distill_topk)
         totals = torch.cat([weighted_ce.detach().double().view(1).cpu(), counts])
         totals = totals.to(self.device)  # whole-batch sums (nccl reduces on the GPU)
         if self.world > 1:
