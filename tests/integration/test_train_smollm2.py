@@ -1,4 +1,5 @@
-"""`train-drafter` end to end on SmolLM2: self-written chat data, one process and two (torchrun)."""
+"""`train-drafter` end to end on SmolLM2: self-written chat data, top-k soft labels, one process
+and two (torchrun)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def _args(tmp_path: Path, out: Path) -> list[str]:
             "--heldout", str(held), "--max-new-tokens", "24", "--max-len", "96",
             "--steps", "4", "--batch-size", "4", "--anchors-per-seq", "8", "--eval-every", "2",
             "--checkpoint-every", "2", "--keep-best", "--save-dtype", "float32", "--threads", "1",
+            "--distill-topk", "4",
             "--output", str(out)]
 
 
@@ -49,6 +51,9 @@ def test_train_drafter_one_and_two_processes(tmp_path):
     assert report["processes"] == 1 and report["steps"] == 4
     assert report["data"]["samples"]["builtin:self-chat"] == 2
     assert report["written_step"] in (2, 4)
+    assert report["config"]["distill_topk"] == 4  # soft labels, stored with the features
+    store = json.loads((one / "cache" / "stores.json").read_text())["train"]
+    assert json.loads((Path(store) / "meta.json").read_text())["topk"] == 4
     turns = [t for row in map(json.loads, (one / "cache" / "self-chat-0.jsonl").read_text()
                               .splitlines()) for t in row["turns"] if t]
     assert turns and not any(corpus.eval_prompt_in(t) for t in turns)

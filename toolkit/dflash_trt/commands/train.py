@@ -64,9 +64,8 @@ def copy_target_layers(drafter, target_model) -> list[int]:
 
 
 def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len: int,
-               num_samples: int, topk: int = 0) -> str:
-    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples]
-                     + ([topk] if topk else []))  # stores made before top-k keep their key
+               num_samples: int) -> str:
+    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -127,9 +126,10 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
 
     stats = corpus.CorpusStats()
-    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples), topk)
+    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples))
     store_dir = cache / f"features-{key}"
-    if not (store_dir / "meta.json").is_file():
+    meta = store_dir / "meta.json"  # reused unless it lacks the top-k soft labels asked for
+    if not meta.is_file() or json.loads(meta.read_text()).get("topk", 0) < topk:
         seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
         feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
                                       info="tokens")
