@@ -141,7 +141,12 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer,
                                                  max_len=max_len + max_new_tokens))
         held_dir = cache / "heldout-features"
-        build_store(target, held_seqs, held_dir, pad_id=pad_id, dtype="float32")  # exact replay
+        held_key = _store_key(target_dir, target.layer_ids, heldout, max_len + max_new_tokens,
+                              len(held_samples))
+        if not (held_dir / "meta.json").is_file() or \
+                json.loads((held_dir / "meta.json").read_text()).get("key") != held_key:
+            build_store(target, held_seqs, held_dir, pad_id=pad_id, dtype="float32",  # exact replay
+                        key=held_key)
     return {"train": str(store_dir), "heldout": str(held_dir) if held_dir else None}
 
 
