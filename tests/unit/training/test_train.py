@@ -186,6 +186,7 @@ def test_soft_labels_renormalise_over_the_kept_tokens():
 def test_store_keeps_the_targets_top_k(tmp_path):
     model, target, _ = setup()
     seqs = greedy_sequences(model, 4)
+    seqs[0] = dataclasses.replace(seqs[0], ids=seqs[0].ids[:20])  # batch [2, 0] pads row 1
     store = build_store(target, seqs, tmp_path / "store", batch_size=2, topk=5)
     live = OnTheFlyFeatures(target, seqs, topk=5)
     a, b = store.batch([2, 0]), live.batch([2, 0])
@@ -198,12 +199,16 @@ def test_store_keeps_the_targets_top_k(tmp_path):
                                rtol=0, atol=2e-2)  # stored as fp16
     assert torch.equal(a.topk_ids, b.topk_ids)
     torch.testing.assert_close(a.topk_logp, b.topk_logp, rtol=0, atol=2e-2)
-    assert torch.isinf(a.topk_logp[1, int(a.lengths[1]):]).all()  # padding has no soft label
+    pad = a.topk_logp[1, int(a.lengths[1]):]
+    assert pad.numel() and torch.isinf(pad).all()  # padding has no soft label
+    assert torch.isinf(b.topk_logp[1, int(b.lengths[1]):]).all()
 
 
 def test_block_loss_with_top_1_soft_labels_equals_hard_labels(tmp_path):
     model, target, drafter = setup(block_size=CONFIG.block_size)
-    batch = build_store(target, greedy_sequences(model, 3), tmp_path / "s", topk=3).batch([0, 1, 2])
+    seqs = greedy_sequences(model, 3)
+    seqs[1] = dataclasses.replace(seqs[1], ids=seqs[1].ids[:18])  # padding: -inf soft labels
+    batch = build_store(target, seqs, tmp_path / "s", topk=3).batch([0, 1, 2])
     anchors, ok = sample_anchors(batch.lengths, batch.train_start, 6, [1, 2, 3])
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     hard = block_loss(drafter, embed, head, None, batch, anchors, ok, CONFIG.block_size, 4.0)
@@ -211,6 +216,9 @@ def test_block_loss_with_top_1_soft_labels_equals_hard_labels(tmp_path):
     torch.testing.assert_close(soft.weighted_ce, hard.weighted_ce)
     wider = block_loss(drafter, embed, head, None, batch, anchors, ok, CONFIG.block_size, 4.0, topk=3)
     assert wider.weight == hard.weight and not torch.isclose(wider.weighted_ce, hard.weighted_ce)
+    wider.weighted_ce.backward()
+    assert torch.isfinite(wider.weighted_ce)
+    assert all(torch.isfinite(q.grad).all() for q in drafter.parameters() if q.grad is not None)
 
 
 def test_top_k_distillation_learns_and_needs_stored_top_k(tmp_path):

@@ -141,8 +141,9 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer,
                                                  max_len=max_len + max_new_tokens))
         held_dir = cache / "heldout-features"
-        held_key = _store_key(target_dir, target.layer_ids, heldout, max_len + max_new_tokens,
-                              len(held_samples))
+        held_key = hashlib.sha256(json.dumps(  # what the store holds, not where it came from
+            [str(target_dir), target.layer_ids, [(list(q.ids), q.train_start) for q in held_seqs]]
+        ).encode()).hexdigest()[:16]
         if not (held_dir / "meta.json").is_file() or \
                 json.loads((held_dir / "meta.json").read_text()).get("key") != held_key:
             build_store(target, held_seqs, held_dir, pad_id=pad_id, dtype="float32",  # exact replay
