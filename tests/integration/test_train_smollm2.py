@@ -74,8 +74,11 @@ def test_train_drafter_one_and_two_processes(tmp_path):
                 "--nproc_per_node", "2", cli]
     subprocess.run([*torchrun, *_args(tmp_path, two)], check=True, env=env, timeout=900)
     assert json.loads((two / "drafter" / "training_report.json").read_text())["processes"] == 2
-    held = "cache/heldout-features/meta.json"  # the same held-out data: its store is reused
-    assert (two / held).stat().st_mtime == (one / held).stat().st_mtime
+    # The same data: both stores are reused (they are keyed by the sequences they hold).
+    train = Path(store).relative_to(one) / "meta.json"
+    for meta in (train, Path("cache/heldout-features/meta.json")):
+        assert (two / meta).stat().st_mtime == (one / meta).stat().st_mtime, meta
+    assert sorted(p.name for p in (two / "cache").glob("features-*")) == [train.parent.name]
     a = load_file(one / "drafter" / "model.safetensors")
     b = load_file(two / "drafter" / "model.safetensors")
     for name in a:

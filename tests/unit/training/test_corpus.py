@@ -207,3 +207,24 @@ def test_cli_reports_bad_data_before_loading_the_target(tmp_path):
     result = CliRunner().invoke(train_drafter, ["--target", str(tmp_path / "nowhere"), "--data",
                                                 "builtin:chat", "--output", str(tmp_path / "out")])
     assert result.exit_code == 2 and "evaluation set" in result.output
+
+
+def test_feature_stores_are_reused_for_the_same_sequences_only(tmp_path):
+    from dflash_trt.commands.train import _content_key, _reusable
+
+    seqs = [corpus.TokenSequence((1, 2, 3, 4, 5, 6, 7, 8, 9), 3, "a.jsonl")]
+    key = _content_key(tmp_path, [1, 2], seqs)
+    renamed = [corpus.TokenSequence(seqs[0].ids, 3, "b.jsonl")]  # where it came from: no matter
+    assert _content_key(tmp_path, [1, 2], renamed) == key
+    for other in ([corpus.TokenSequence((1, 2, 3, 4, 5, 6, 7, 8, 10), 3, "a.jsonl")],  # a token
+                  [corpus.TokenSequence(seqs[0].ids, 4, "a.jsonl")],  # where training starts
+                  seqs + seqs):  # more of the same
+        assert _content_key(tmp_path, [1, 2], other) != key
+    assert _content_key(tmp_path, [1, 3], seqs) != key  # other target layers
+    store = tmp_path / "store"
+    assert not _reusable(store, key)  # nothing there
+    store.mkdir()
+    (store / "meta.json").write_text(json.dumps({"key": key, "topk": 4}))
+    assert _reusable(store, key) and _reusable(store, key, topk=4)
+    assert not _reusable(store, key, topk=8)  # lacks the soft labels asked for
+    assert not _reusable(store, _content_key(tmp_path, [1, 3], seqs))

@@ -63,10 +63,19 @@ def copy_target_layers(drafter, target_model) -> list[int]:
     return copied
 
 
-def _store_key(target_dir: Path, layer_ids: list[int], specs: list[str], max_len: int,
-               num_samples: int) -> str:
-    raw = json.dumps([str(target_dir), layer_ids, specs, max_len, num_samples])
+def _content_key(target_dir: Path, layer_ids: list[int], seqs) -> str:
+    """What a feature store holds (target, layers, every sequence's ids and training start), not
+    where it came from: a store is reused only for the same content."""
+    raw = json.dumps([str(target_dir), layer_ids, [(list(q.ids), q.train_start) for q in seqs]])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _reusable(store_dir: Path, key: str, topk: int = 0) -> bool:
+    meta = store_dir / "meta.json"
+    if not meta.is_file():
+        return False
+    got = json.loads(meta.read_text())
+    return got.get("key") == key and got.get("topk", 0) >= topk
 
 
 def answer_pending(samples, specs, model, tokenizer, cache: Path, *, max_new_tokens: int,
@@ -126,14 +135,13 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         raise UsageError("--heldout shares prompts with --data; held-out text must be unseen")
 
     stats = corpus.CorpusStats()
-    key = _store_key(target_dir, target.layer_ids, data, max_len, len(samples))
+    seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
+    key = _content_key(target_dir, target.layer_ids, seqs)
     store_dir = cache / f"features-{key}"
-    meta = store_dir / "meta.json"  # reused unless it lacks the top-k soft labels asked for
-    if not meta.is_file() or json.loads(meta.read_text()).get("topk", 0) < topk:
-        seqs = list(corpus.tokenize_samples(samples, tokenizer, max_len=max_len, stats=stats))
+    if not _reusable(store_dir, key, topk):  # reused unless it lacks the top-k asked for
         feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
                                       info="tokens")
-        build_store(target, seqs, store_dir, pad_id=pad_id, sources=data, topk=topk,
+        build_store(target, seqs, store_dir, pad_id=pad_id, sources=data, topk=topk, key=key,
                     on_progress=lambda n: progress.advance(feat_task, n))
         (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
     held_dir = None
@@ -141,11 +149,8 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer,
                                                  max_len=max_len + max_new_tokens))
         held_dir = cache / "heldout-features"
-        held_key = hashlib.sha256(json.dumps(  # what the store holds, not where it came from
-            [str(target_dir), target.layer_ids, [(list(q.ids), q.train_start) for q in held_seqs]]
-        ).encode()).hexdigest()[:16]
-        if not (held_dir / "meta.json").is_file() or \
-                json.loads((held_dir / "meta.json").read_text()).get("key") != held_key:
+        held_key = _content_key(target_dir, target.layer_ids, held_seqs)
+        if not _reusable(held_dir, held_key):
             build_store(target, held_seqs, held_dir, pad_id=pad_id, dtype="float32",  # exact replay
                         key=held_key)
     return {"train": str(store_dir), "heldout": str(held_dir) if held_dir else None}

@@ -17,6 +17,7 @@ building nor reading it holds more than one batch in memory, whatever the corpus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -103,9 +104,12 @@ def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: P
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     index, offset, dim = [], 0, None
-    with open(tmp / "tokens.bin", "wb") as ft, open(tmp / "labels.bin", "wb") as fl, \
-            open(tmp / "features.bin", "wb") as ff, \
-            open(tmp / "topk_ids.bin", "wb") as fi, open(tmp / "topk_logp.bin", "wb") as fp:
+    with contextlib.ExitStack() as files:
+        ft, fl, ff = (files.enter_context(open(tmp / name, "wb"))
+                      for name in ("tokens.bin", "labels.bin", "features.bin"))
+        fi, fp = (files.enter_context(open(tmp / name, "wb"))
+                  for name in ("topk_ids.bin", "topk_logp.bin")) if topk else (None, None)
+
         def flush(batch: list[TokenSequence]) -> None:
             nonlocal offset, dim
             got = extract(target, _pad([s.ids for s in batch], pad_id), topk=topk)
@@ -141,9 +145,6 @@ def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: P
         raise DflashTrtError("no training sequences: the data is empty or every sample is "
                              "shorter than 8 tokens")
     np.save(tmp / "index.npy", np.asarray(index, dtype=np.int64))
-    if not topk:
-        (tmp / "topk_ids.bin").unlink()
-        (tmp / "topk_logp.bin").unlink()
     meta = {"target_layer_ids": target.layer_ids, "feature_dim": dim, "dtype": dtype,
             "num_tokens": offset, "topk": topk,
             "num_sequences": len(index), "sources": list(sources)}
