@@ -45,8 +45,11 @@ def test_train_drafter_one_and_two_processes(tmp_path):
 
     cli = str(Path(sys.executable).parent / "dflash-trt")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = tmp_path / "one"
-    subprocess.run([cli, *_args(tmp_path, one)], check=True, env=env, timeout=900)
+    one = tmp_path / "one"  # 2 steps, then resumed to 4 (lr warm-up: the same schedule)
+    first = _args(tmp_path, one)
+    first[first.index("--steps") + 1] = "2"
+    subprocess.run([cli, *first], check=True, env=env, timeout=900)
+    subprocess.run([cli, *_args(tmp_path, one), "--resume"], check=True, env=env, timeout=900)
     report = json.loads((one / "drafter" / "training_report.json").read_text())
     assert report["processes"] == 1 and report["steps"] == 4
     assert report["data"]["samples"]["builtin:self-chat"] == 2
@@ -58,7 +61,9 @@ def test_train_drafter_one_and_two_processes(tmp_path):
                               .splitlines()) for t in row["turns"] if t]
     assert turns and not any(corpus.eval_prompt_in(t) for t in turns)
     DFlashDraftModel.from_pretrained(one / "drafter")  # loads in the reference format
-    # --keep-best: the written drafter is the checkpoint of the best evaluation, not the last step.
+    # --keep-best: the written drafter is the checkpoint of the best evaluation, not the last
+    # step's, also when that evaluation came before the resume.
+    assert json.loads((one / "best" / "best.json").read_text())["step"] == report["written_step"]
     best = load_file(one / "checkpoints" / f"step-{report['written_step']:06d}" / "model.safetensors")
     written = load_file(one / "drafter" / "model.safetensors")
     assert best.keys() == written.keys()

@@ -234,3 +234,20 @@ def test_top_k_distillation_learns_and_needs_stored_top_k(tmp_path):
     trainer.run()
     after = estimate_acceptance(trainer.drafter, embed, head, held, max_new_tokens=24)
     assert after.mean_acceptance_length > before.mean_acceptance_length + 0.5
+
+
+def test_the_best_drafter_outlives_its_process_for_resume(tmp_path):
+    from dflash_trt.commands.train import _load_best, _save_best
+
+    _, _, drafter = setup(block_size=4)
+    path = tmp_path / "best"
+    _save_best(path, drafter, {"step": 20, "tau": 1.5})
+    got = _load_best(path, step=30)
+    assert (got["step"], got["tau"]) == (20, 1.5)
+    want = drafter.state_dict()
+    assert got["state"].keys() == want.keys()
+    assert all(torch.equal(got["state"][k], want[k]) for k in want)
+    assert _load_best(path, step=10) == {}  # evaluated after the checkpoint: it will come again
+    assert _load_best(tmp_path / "none", step=30) == {}
+    _save_best(path, drafter, {"step": 25, "tau": 1.6})  # a better one replaces it whole
+    assert _load_best(path, step=30)["step"] == 25 and not (tmp_path / "best.partial").exists()

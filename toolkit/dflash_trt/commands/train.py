@@ -383,6 +383,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
                 if keep_best and (best["tau"] is None or event.acceptance_length > best["tau"]):
                     best.update(tau=event.acceptance_length, step=event.step,
                                 state={k: v.detach().clone() for k, v in drafter.state_dict().items()})
+                    _save_best(out / BEST, drafter, best)  # outlives the process, for --resume
             elif isinstance(event, CheckpointSaved):
                 progress.console.log(f"checkpoint at step {event.step}: {event.path}")
 
@@ -391,6 +392,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         if resume:
             trainer.load_checkpoint()
             progress.update(train_task, completed=trainer.step)
+            if keep_best:
+                best.update(_load_best(out / BEST, trainer.step))
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             history = trainer.run()
@@ -429,6 +432,32 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         click.echo(f"best held-out acceptance {best['tau']:.2f} at step {best['step']}")
     click.echo(f"drafter written to {out / 'drafter'}"
                + (f"; held-out acceptance {final.mean_acceptance_length:.2f}" if final else ""))
+
+
+BEST = "best"  # OUTPUT/best/: the best evaluated drafter so far (--keep-best), with best.json
+
+
+def _save_best(path: Path, drafter, best: dict) -> None:
+    import shutil
+
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp)
+    (tmp / "best.json").write_text(json.dumps({"step": best["step"], "tau": best["tau"]}) + "\n")
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def _load_best(path: Path, step: int) -> dict:
+    """The best evaluation before a resumed run's step (none if it was saved after it)."""
+    from safetensors.torch import load_file
+
+    if not (path / "best.json").is_file():
+        return {}
+    saved = json.loads((path / "best.json").read_text())
+    if saved["step"] > step:  # evaluated after the checkpoint resumed from: it will come again
+        return {}
+    return {"tau": saved["tau"], "step": saved["step"], "state": load_file(path / "model.safetensors")}
 
 
 def _raise_interrupt(signum, frame):
