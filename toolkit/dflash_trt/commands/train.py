@@ -218,7 +218,8 @@ def write_curves(history, path: Path) -> None:
 @click.option("--mask-token-id", type=int, help="MASK token id of a new drafter (default: per tokenizer).")
 @click.option("--data", "data", multiple=True, required=True,
               help="Text/.jsonl file, builtin:python-stdlib, builtin:code-prompts, "
-                   "builtin:method-prompts or builtin:self-chat (repeatable).")
+                   "builtin:method-prompts, builtin:restated-prompts or builtin:self-chat "
+                   "(repeatable).")
 @click.option("--self-chat", "self_chat", default=1024, show_default=True,
               type=click.IntRange(1), help="Prompts the target writes for builtin:self-chat.")
 @click.option("--answer-temperature", default=0.0, show_default=True,

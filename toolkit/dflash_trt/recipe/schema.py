@@ -142,8 +142,9 @@ class DrafterInit(Section):
 
 class DrafterTrain(Section):
     data: list[DataSource] = Field(min_length=1, description="Training data: text/.jsonl files "
-                                   "or builtin:python-stdlib / builtin:chat / builtin:code-prompts / "
-                                   "builtin:method-prompts.")
+                                   "or builtin:python-stdlib / builtin:code-prompts / "
+                                   "builtin:method-prompts / builtin:restated-prompts "
+                                   "(builtin:chat is an evaluation set, refused here).")
     steps: int = Field(2000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Sequences per step.")
     lr: float = Field(6e-4, gt=0, description="Peak AdamW learning rate (cosine decay).")
@@ -181,7 +182,7 @@ class Calibration(Section):
     data: list[DataSource] = Field(default_factory=lambda: ["builtin:python-stdlib"],
                                    min_length=1, description="Calibration text: text/.jsonl "
                                    "files or builtin:python-stdlib / builtin:chat / builtin:code-prompts / "
-                                   "builtin:method-prompts.")
+                                   "builtin:method-prompts / builtin:restated-prompts.")
     calib_size: int = Field(64, ge=1, description="Number of calibration sequences.")
     seq_len: int = Field(256, ge=8, description="Tokens per calibration sequence.")
     batch_size: int = Field(4, ge=1, description="Calibration batch size.")

@@ -11,7 +11,9 @@ Data specs (`--data`, repeatable):
 - `builtin:code-prompts`: HumanEval-style prompts (a signature and docstring to complete) and
   "write a function" requests, written from standard-library functions, answered by the target;
 - `builtin:method-prompts`: the same three forms written from standard-library class methods
-  (about 2,900 more prompts), answered by the target.
+  (about 2,900 more prompts), answered by the target;
+- `builtin:restated-prompts`: the tasks of the two sets above in the two forms they did not use
+  (about 8,300 prompts), answered by the target (`prompt_sets` writes all three sets).
 
 HumanEval and `builtin:chat` are the evaluation sets: training data that contains one of HumanEval's
 signatures or one of the chat prompts is refused (`check_no_eval_prompts`); `builtin:chat` may be
@@ -20,23 +22,30 @@ held-out data, never training data. No torch at import time.
 
 from __future__ import annotations
 
-import ast
 import functools
 import gzip
 import hashlib
 import json
-import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_trt.errors import DflashTrtError, UsageError
 from dflash_trt.prompts import BUILTIN_DATA as BUILTINS
-from dflash_trt.prompts import CHAT, CODE_PROMPTS, METHOD_PROMPTS, SELF_CHAT, STDLIB
-
-# Test suites and vendored third-party code are not "the standard library as users write it".
-STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3",
-                    "ensurepip", "turtledemo"}
+from dflash_trt.prompts import (
+    CHAT,
+    CODE_PROMPTS,
+    METHOD_PROMPTS,
+    RESTATED_PROMPTS,
+    SELF_CHAT,
+    STDLIB,
+)
+from dflash_trt.training.prompt_sets import (
+    code_prompts,
+    method_prompts,
+    restated_prompts,
+    stdlib_files,
+)
 
 
 @dataclass(frozen=True)
@@ -79,107 +88,6 @@ class CorpusStats:
 # --- sources -----------------------------------------------------------------------------------
 
 
-def stdlib_files() -> list[Path]:
-    """The running Python's standard-library .py files, sorted, without test and vendored dirs."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if STDLIB_SKIP_DIRS.intersection(rel[:-1]) or rel[-1].startswith("test_"):
-            continue
-        files.append(path)
-    return files
-
-
-def _stdlib_trees() -> Iterator[tuple[str, ast.Module]]:
-    """(module name, parsed tree) of every standard-library file that parses, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in stdlib_files():
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue
-        yield ".".join(path.relative_to(root).with_suffix("").parts), tree
-
-
-def _stdlib_functions() -> Iterator[tuple[str, ast.FunctionDef]]:
-    """(module name, function node) for public, documented stdlib functions, in a fixed order."""
-    for module, tree in _stdlib_trees():
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") \
-                    and ast.get_docstring(node) and len(ast.get_docstring(node)) >= 20:
-                yield module, node
-
-
-def _stdlib_methods() -> Iterator[tuple[str, ast.FunctionDef]]:
-    """(class name, method node) for public, documented methods of public stdlib classes."""
-    for _, tree in _stdlib_trees():
-        for cls in tree.body:
-            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
-                continue
-            for node in cls.body:
-                if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") \
-                        and len(ast.get_docstring(node) or "") >= 40:
-                    yield cls.name, node
-
-
-def _short_doc(doc: str, limit: int = 600) -> str:
-    """Whole paragraphs of a docstring up to about `limit` characters (HumanEval-sized)."""
-    kept: list[str] = []
-    for para in doc.strip().split("\n\n"):
-        if kept and sum(len(p) for p in kept) + len(para) > limit:
-            break
-        kept.append(para[:limit])
-    return "\n\n".join(kept)
-
-
-def _stub(node: ast.FunctionDef) -> str:
-    """`def name(args) -> ret:` plus its docstring, as HumanEval presents a task."""
-    args = ast.unparse(node.args)
-    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    doc = _short_doc(ast.get_docstring(node))
-    body = "\n".join(("    " + line) if line.strip() else "" for line in doc.splitlines())
-    return f"def {node.name}({args}){returns}:\n    \"\"\"\n{body}\n    \"\"\"\n"
-
-
-def _three_forms(nodes, forms, seed: int) -> tuple[str, ...]:
-    """One prompt per (owner, node), the three forms of `forms(owner, node, stub, first sentence)`
-    taken in turn, then a fixed shuffle so that any prefix of the list (a partial run) spans many
-    modules."""
-    import random
-
-    prompts = []
-    for i, (owner, node) in enumerate(nodes):
-        first = _short_doc(ast.get_docstring(node), 300).split("\n\n")[0].replace("\n", " ")
-        prompts.append(forms(owner, node, _stub(node), first)[i % 3])
-    random.Random(seed).shuffle(prompts)
-    return tuple(prompts)
-
-
-@functools.cache
-def _prompt_set(kind: str) -> tuple[str, ...]:
-    if kind == CODE_PROMPTS:
-        return _three_forms(_stdlib_functions(), lambda module, node, stub, first: (
-            stub,
-            f"Complete the following Python function.\n\n{stub}",
-            f"Write a Python function `{node.name}` (like {module}.{node.name}). {first}"), seed=0)
-    return _three_forms(_stdlib_methods(), lambda cls, node, stub, first: (
-        f"Complete this method of the Python class `{cls}`.\n\n{stub}",
-        f"Write the method `{cls}.{node.name}` in Python.\n\n{stub}",
-        f"Write a Python function `{node.name}`. {first}"), seed=1)
-
-
-def code_prompts() -> list[str]:
-    """HumanEval-style prompts written from standard-library functions (deterministic order):
-    a bare stub to complete, a stub with an instruction, a one-line request from the docstring."""
-    return list(_prompt_set(CODE_PROMPTS))
-
-
-def method_prompts() -> list[str]:
-    """Prompts written from standard-library class methods, in code_prompts' three forms."""
-    return list(_prompt_set(METHOD_PROMPTS))
-
-
 def _read_jsonl(path: Path) -> Iterator[Sample]:
     from dflash_trt.prompts import iter_jsonl
 
@@ -207,8 +115,10 @@ def iter_samples(spec: str) -> Iterator[Sample]:
     elif spec == CHAT:
         for prompt in prompts.CHAT_PROMPTS:
             yield Sample(spec, prompt=prompt)
-    elif spec in (CODE_PROMPTS, METHOD_PROMPTS):
-        for prompt in code_prompts() if spec == CODE_PROMPTS else method_prompts():
+    elif spec in (CODE_PROMPTS, METHOD_PROMPTS, RESTATED_PROMPTS):
+        sets = {CODE_PROMPTS: code_prompts, METHOD_PROMPTS: method_prompts,
+                RESTATED_PROMPTS: restated_prompts}
+        for prompt in sets[spec]():
             yield Sample(spec, prompt=prompt)
     elif spec == SELF_CHAT:
         raise UsageError(f"{SELF_CHAT} is written by the target: train-drafter makes it "
