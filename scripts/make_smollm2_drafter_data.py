@@ -16,6 +16,10 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
   - self-chat-answers.jsonl      answers to N of them (train), less any that quotes an
                                  evaluation prompt (answers/ keeps every answer, the cache)
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
+- part `restated`:
+  - heldout-answers.jsonl    answers to the first 32 of builtin:code-prompts (held out)
+  - restated-answers.jsonl   answers to N builtin:restated-prompts (--restated N; a fixed
+                             shuffle), none restating a held-out task
 - part `rehearsal`:
   - rehearsal-answers.jsonl  answers to the last N builtin:method-prompts (--rehearsal N; code
                              the shipped drafter was trained on, mixed in so that training on
@@ -113,12 +117,29 @@ def rehearsal_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
                           batch_size=32, on_batch=lambda d, t, k: log(t0, "rehearsal", d, t, k))
 
 
+def restated_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
+    """Answers to `count` restated prompts (a fixed shuffle), less every task of the held-out
+    code prompts (the first 32 of builtin:code-prompts, answered too: heldout-answers.jsonl)."""
+    import random
+    import re
+
+    held = prompt_sets.code_prompts()[:32]
+    names = {m for p in held for m in re.findall(r"def (\w+)\(|`(?:\w+\.)?(\w+)`", p) for m in m if m}
+    pattern = re.compile("|".join(rf"def {n}\(|`(?:\w+\.)?{n}`" for n in sorted(names)))
+    prompts = [p for p in prompt_sets.restated_prompts() if not pattern.search(p)]
+    random.Random(6).shuffle(prompts)
+    for name, batch in (("heldout-answers.jsonl", held), ("restated-answers.jsonl", prompts[:count])):
+        corpus.answer_prompts(model, tokenizer, batch, out / name, batch_size=32,
+                              on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--parts", default="code",
-                        help="comma-separated: code, self-chat, rehearsal")
+                        help="comma-separated: code, self-chat, rehearsal, restated")
     parser.add_argument("--rehearsal", type=int, default=320, help="method prompts to answer")
+    parser.add_argument("--restated", type=int, default=1024, help="restated prompts to answer")
     parser.add_argument("--self-chat", type=int, default=1024, help="train prompts to write")
     parser.add_argument("--heldout-chat", type=int, default=64, help="held-out prompts to write")
     parser.add_argument("--seed", type=int, default=0,
@@ -146,6 +167,8 @@ def main() -> None:
                        args.seed)
     if "rehearsal" in parts:
         rehearsal_part(args.out, model, tokenizer, t0, args.rehearsal)
+    if "restated" in parts:
+        restated_part(args.out, model, tokenizer, t0, args.restated)
 
 
 if __name__ == "__main__":
