@@ -17,7 +17,7 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
                                  evaluation prompt (answers/ keeps every answer, the cache)
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
 - part `restated`:
-  - heldout-answers.jsonl    answers to the first 32 of builtin:code-prompts (held out)
+  - heldout-code-prompts.jsonl  the first 32 of builtin:code-prompts (held out), unanswered
   - restated-answers.jsonl   answers to N builtin:restated-prompts (--restated N; a fixed
                              shuffle), none restating a held-out task
 - part `rehearsal`:
@@ -119,7 +119,8 @@ def rehearsal_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
 
 def restated_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
     """Answers to `count` restated prompts (a fixed shuffle), less every task of the held-out
-    code prompts (the first 32 of builtin:code-prompts, answered too: heldout-answers.jsonl)."""
+    code prompts (the first 32 of builtin:code-prompts, written unanswered: train-drafter
+    --heldout answers them in float32, as the estimate needs)."""
     import random
     import re
 
@@ -128,9 +129,10 @@ def restated_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
     pattern = re.compile("|".join(rf"def {n}\(|`(?:\w+\.)?{n}`" for n in sorted(names)))
     prompts = [p for p in prompt_sets.restated_prompts() if not pattern.search(p)]
     random.Random(6).shuffle(prompts)
-    for name, batch in (("heldout-answers.jsonl", held), ("restated-answers.jsonl", prompts[:count])):
-        corpus.answer_prompts(model, tokenizer, batch, out / name, batch_size=32,
-                              on_batch=lambda d, t, k, n=name: log(t0, n, d, t, k))
+    (out / "heldout-code-prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                                            for p in held))
+    corpus.answer_prompts(model, tokenizer, prompts[:count], out / "restated-answers.jsonl",
+                          batch_size=32, on_batch=lambda d, t, k: log(t0, "restated", d, t, k))
 
 
 def main() -> None:
