@@ -189,6 +189,8 @@ def test_written_user_turns_are_ended_new_and_no_evaluation_prompt(tmp_path):
     assert corpus.write_user_turns(again, TurnTokenizer(), 10, cache, batch_size=len(turns),
                                    max_new_tokens=40, exclude=["what did I ask before?"]) == got
     assert again.calls == []
+    assert corpus.write_user_turns(again, TurnTokenizer(), 0, tmp_path / "none.jsonl") == []
+    assert again.calls == []  # none asked for: nothing written (it used to divide by zero)
 
 
 def test_sampled_generation_is_seeded_and_greedy_is_generate():

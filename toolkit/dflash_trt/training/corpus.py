@@ -378,6 +378,8 @@ def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: in
     and holds no evaluation prompt. Gives up after count / batch_size * 4 batches."""
     import torch
 
+    if count <= 0:
+        return []
     batch_size = min(batch_size, count)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     batches = {row["batch"]: row["turns"] for row in _read_rows(cache_file)}
