@@ -113,14 +113,14 @@ def test_a_full_queue_and_a_long_wait_are_errors(dirs, references):
             except EngineBusy as exc:
                 errors.append(str(exc))
 
+        decoder = engine._scheduler.decoder
+        step = decoder.decode  # slowed, so the busy rows outlast the timeout on any CPU (on a
+        decoder.decode = lambda: (time.sleep(0.02), step())[1]  # fast one they ended in 0.15 s)
         waiter = threading.Thread(target=wait)
-        with engine._lock:  # no step runs meanwhile, so the busy rows cannot finish (on a fast
-            # CPU they reached their end within 0.15 s)
-            waiter.start()
-            time.sleep(0.1)  # the waiter holds the only queue place
-            with pytest.raises(EngineBusy, match="engine.max_queue 1"):
-                next(engine.stream(ids[1], SamplingParams(max_new_tokens=5)))
-            time.sleep(0.3)  # and waits longer than engine.queue_timeout_s
+        waiter.start()
+        time.sleep(0.1)  # the waiter holds the only queue place
+        with pytest.raises(EngineBusy, match="engine.max_queue 1"):
+            next(engine.stream(ids[1], SamplingParams(max_new_tokens=5)))
         waiter.join(timeout=30)
         assert len(errors) == 1 and "no batch slot within 0.3 s" in errors[0]
         for stream in busy:
