@@ -11,6 +11,10 @@
 # requested per answer, greedy, streaming. Results land in $OUT/c<N>/ (AIPerf's export files).
 # AIPerf's scraping of server metrics and GPU telemetry is off: there is no GPU here, and on a small
 # CPU machine the client's own processes take cores from the server it measures.
+# RATE (requests/s, default 100) paces AIPerf's issuing loop at a constant rate far above what the
+# server serves, so concurrency alone still decides the load: in AIPerf 0.13's pure concurrency
+# mode that loop polls for a free slot without sleeping and holds a whole core for the run, half
+# of a 2-core machine (RATE=burst restores that mode). docs/benchmarks.md has both.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -24,6 +28,9 @@ INPUT_TOKENS=${INPUT_TOKENS:-64}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-48}
 MODEL=${MODEL:-dflash}
 HTTP_PORT=${HTTP_PORT:-18000}
+RATE=${RATE:-100}
+PACING=(--request-rate "$RATE" --request-rate-mode constant)
+[[ "$RATE" == burst ]] && PACING=()
 
 if [[ ! -x "$AIPERF_VENV/bin/aiperf" ]]; then
   python3 -m venv "$AIPERF_VENV"
@@ -58,7 +65,7 @@ for c in $CONCURRENCY; do
     --tokenizer "$BUILD/engine/target" \
     --synthetic-input-tokens-mean "$INPUT_TOKENS" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "$OUTPUT_TOKENS" --output-tokens-stddev 0 \
-    --concurrency "$c" --request-count "$REQUESTS" --warmup-request-count 1 \
+    --concurrency "$c" "${PACING[@]}" --request-count "$REQUESTS" --warmup-request-count 1 \
     --random-seed 0 --output-artifact-dir "$OUT/c$c" --ui-type none \
     --no-server-metrics --no-gpu-telemetry
 done

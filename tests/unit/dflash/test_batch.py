@@ -198,19 +198,22 @@ def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
 
 
 def test_a_drafter_that_never_pays_is_still_probed(setup):
-    """After PROBE_EVERY declined steps one step drafts anyway, so the measured acceptance can
-    recover when the traffic changes; a probe that still does not pay doubles the wait."""
+    """After PROBE_EVERY declined steps the drafter drafts anyway, so the measured acceptance can
+    recover when the traffic changes; a probe that still does not pay doubles the wait. A probe
+    lasts until one of its steps counts: the first catches up on the skipped steps' context, and
+    the first of a way at a row count sets up kernels (Gate)."""
     from dflash_trt.dflash.batch import PROBE_EVERY
 
     target, drafter, prompts, _, _ = setup
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                            backoff=False, pays=lambda rates, rows, drafting: False)
-    decoder.add(Request(prompts[0], 4 * PROBE_EVERY))  # >= 3 * PROBE_EVERY + 2 steps
+    decoder.add(Request(prompts[0], 4 * PROBE_EVERY))  # >= 3 * PROBE_EVERY + 5 steps
     steps = decoder.prefill()
     while decoder.rows[0].finish is None:
         steps += decoder.decode()
     drafted = [i for i, (_, s) in enumerate(steps[1:]) if s.num_draft_tokens]
-    assert drafted == [PROBE_EVERY, 3 * PROBE_EVERY + 1]
+    first = [PROBE_EVERY, PROBE_EVERY + 1, PROBE_EVERY + 2]  # catch-up, set-up, counted
+    assert drafted == [*first, 3 * PROBE_EVERY + 3, 3 * PROBE_EVERY + 4]  # catch-up, counted
 
 
 def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, monkeypatch):
@@ -276,9 +279,10 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
         decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                                backoff=False, pays=lambda rates, rows, drafting: True)
         gate = decoder.drafter_gate
-        gate.RATE = 0.0  # keep the injected measurements
-        gate.record(1, True, drafter_rate)
-        gate.record(1, False, 1e6)
+        for _ in range(2):  # the first of each is not counted
+            gate.record(1, True, drafter_rate)
+            gate.record(1, False, 1e6)
+        gate.record = lambda *args, **kwargs: None  # keep the injected measurements
         decoder.add(Request(prompts[2], 30))
         steps = decoder.prefill()
         while decoder.rows[0].finish is None:
@@ -287,8 +291,8 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
         drafted = [i for i, (_, s) in enumerate(steps[1:]) if s.num_draft_tokens]
         if expect_drafting:  # every step but the last, where no token is left to draft
             assert drafted == list(range(len(steps) - 2))
-        else:
-            assert drafted == [PROBE_EVERY]
+        else:  # a probe whose steps never count runs its longest
+            assert drafted == [PROBE_EVERY + i for i in range(gate.PROBE_STEPS)]
 
 
 def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
@@ -296,13 +300,44 @@ def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
 
     gate = Gate()  # predicted never to pay: bold only at probes, each wait twice the last
     taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(2, False)]
-    assert taken == [PROBE_EVERY, 3 * PROBE_EVERY + 1]
+    probe = range(Gate.PROBE_STEPS)  # nothing recorded: each probe runs its longest
+    assert taken == [PROBE_EVERY + i for i in probe] + [3 * PROBE_EVERY + 3 + i for i in probe]
     gate = Gate()  # predicted to pay, plain way unmeasured: one plain step measures it
     plain = [i for i in range(3 * PROBE_EVERY) if not gate.bold(2, True)]
     assert plain == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    gate.record(2, False, 1.0)  # the first step of a way sets up kernels:
+    assert gate.rate(2, False) is None  # not counted
     gate.record(2, False, 10.0)
     assert all(gate.bold(2, True) for _ in range(3 * PROBE_EVERY))  # measured now: no more
+    gate.record(2, True, 0.1)
     gate.record(2, True, 5.0)  # the bold way measured slower: plain although predicted to pay
-    assert not gate.bold(2, True) and not gate.loses(4)  # other row counts keep their own
-    gate.record(2, True, 25.0)  # a moving average: 5 + 0.1 * 20
-    assert gate.rate[2, True] == pytest.approx(7.0) and not gate.bold(2, True)
+    assert not gate.bold(2, True) and gate.loses(4)  # and at more rows, not at fewer
+    assert not gate.loses(1)
+    gate.record(2, True, 25.0)
+    gate.record(2, True, 30.0, counts=False)  # a step the caller says is not representative
+    assert gate.rate(2, True) == pytest.approx(15.0) and gate.bold(2, True)  # median of 5, 25
+    for fast in (40.0, 50.0):
+        gate.record(2, True, fast)
+    gate.record(2, True, 0.5)  # one slow step among fast ones does not flip the choice
+    assert gate.rate(2, True) == pytest.approx(25.0) and gate.bold(2, True)  # 0.5 5 25 40 50
+
+
+def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
+    from dflash_trt.dflash.batch import PROBE_EVERY, Gate
+
+    gate = Gate()
+    for _ in range(2):  # both ways measured (the first of each way does not count), bold slower
+        gate.record(1, True, 1.0)
+        gate.record(1, False, 10.0)
+    taken = [gate.bold(1, True) for _ in range(PROBE_EVERY + 1)]
+    assert taken == [False] * PROBE_EVERY + [True]
+    gate.record(1, True, 1.0, counts=False)  # the probe's first step caught up on context
+    assert gate.bold(1, True)  # so the probe goes on
+    gate.record(1, True, 2.0)  # counted: the probe ends
+    assert not gate.bold(1, True)
+    gate = Gate()
+    for _ in range(2):
+        gate.record(1, True, 1.0)
+        gate.record(1, False, 10.0)
+    taken = [gate.bold(1, True) for _ in range(PROBE_EVERY + Gate.PROBE_STEPS + 1)]
+    assert taken == [False] * PROBE_EVERY + [True] * Gate.PROBE_STEPS + [False]  # at most

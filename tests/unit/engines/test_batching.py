@@ -158,3 +158,54 @@ def test_half_precision_refuses_batching(dirs):
         from dflash_trt.engines.torch_engine import TorchEngine
 
         TorchEngine.load(dirs[0], dirs[1], dtype="bfloat16", max_batch_size=2)
+
+
+def test_a_batching_engine_loads_on_one_thread_and_steps_on_all(dirs, monkeypatch):
+    """On CPU the loading thread must not own an OpenMP team beside the scheduler's
+    (engines.cpu_threads): the model loads on one torch thread, the caller gets its thread count
+    back, and the scheduler's thread claims that count before its first step."""
+    import torch
+
+    from dflash_trt.engines import cpu_threads
+    from dflash_trt.formats import load as formats_load
+
+    at_start = torch.get_num_threads()
+    torch.set_num_threads(max(2, at_start))  # so that one thread differs from all of them
+    before = torch.get_num_threads()
+    seen, claimed = [], []
+    real_load, real_claim = formats_load.load_target, cpu_threads.claim
+
+    def load_target(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_load(*args, **kwargs)
+
+    def claim(threads):
+        claimed.append((threading.current_thread().name, threads))
+        real_claim(threads)
+
+    monkeypatch.setattr(formats_load, "load_target", load_target)
+    monkeypatch.setattr(cpu_threads, "claim", claim)
+    engine = load(dirs, max_batch_size=2)
+    try:
+        assert seen == [1] and torch.get_num_threads() == before == engine.threads
+        collect(engine.stream(engine.tokenize("hi"), SamplingParams(max_new_tokens=3)))
+        assert claimed == [("dflash-batch", before)]
+        serial = load(dirs)  # batch 1 computes on the caller's thread: loading leaves it alone
+        assert seen == [1, before] and serial.threads == before
+    finally:
+        engine.close()
+        torch.set_num_threads(at_start)
+
+
+def test_loading_threads_change_nothing_off_the_cpu():
+    import torch
+
+    from dflash_trt.engines import cpu_threads
+
+    before = torch.get_num_threads()
+    for device in ("cuda:0", None):
+        with cpu_threads.loading(device) as threads:
+            assert threads == before == torch.get_num_threads()
+    with cpu_threads.loading("cpu") as threads:
+        assert threads == before and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

@@ -20,7 +20,9 @@ a row's logits with other matrix shapes than batch 1 does, so floats may differ 
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -103,41 +105,69 @@ class Row:
 
 class Gate:
     """A step has a bold way (run the drafter; verify lookup drafts) and a plain one; this
-    measures the tokens per second of each per number of decoding rows (moving averages, RATE
-    per step) and says which to take.
+    measures the tokens per second of each per number of decoding rows and says which to take.
 
     The cost model predicts a step; this measures it whole (padding, Python, the LM-head rows of
     accepted drafts, a busy machine). The bold way runs when predicted to pay and not measured
     slower than the plain one at this many rows. While it does not, a probe takes it after
     PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
-    does and the plain way is unmeasured at this many rows, one plain step measures it."""
+    does and the plain way is unmeasured at this many rows, one plain step measures it.
 
-    RATE = 0.1
+    A way's rate is the median of its last WINDOW counted steps: bold steps are rare, and one
+    slow one must not decide for hundreds. Not counted: each way's first step (it sets up
+    kernels: the first drafter pass in a served process took 139 ms, later ones 6-12), and a step
+    the caller marks as not representative (a drafter pass catching up on the context of the
+    steps it skipped). A probe takes the bold way again until one of its steps counts,
+    PROBE_STEPS at most. Drafting pays less the more rows share a forward (each row's drafts
+    widen the whole verify), so a bold way measured slower at some row count is taken to lose
+    at every larger one too."""
+
+    WINDOW = 8
+    PROBE_STEPS = 3
 
     def __init__(self):
-        self.rate: dict[tuple[int, bool], float] = {}  # (rows, bold) -> tokens/s
+        self.samples: dict[tuple[int, bool], deque[float]] = {}  # (rows, bold) -> tokens/s
         self.plain_steps = self.bold_steps = 0  # in a row
         self.wait = PROBE_EVERY
+        self.probing = 0  # bold steps left in the current probe
+        self.warm: set[bool] = set()  # the ways whose first step has run
 
-    def record(self, rows: int, bold: bool, tokens_per_s: float) -> None:
-        old = self.rate.get((rows, bold))
-        self.rate[rows, bold] = tokens_per_s if old is None \
-            else old + self.RATE * (tokens_per_s - old)
+    def record(self, rows: int, bold: bool, tokens_per_s: float, counts: bool = True) -> None:
+        if not counts:
+            return
+        if bold not in self.warm:  # the first: kernels set up, not counted
+            self.warm.add(bold)
+            return
+        self.samples.setdefault((rows, bold), deque(maxlen=self.WINDOW)).append(tokens_per_s)
+        if bold:
+            self.probing = 0
+
+    def rate(self, rows: int, bold: bool) -> float | None:
+        """The way's measured tokens/s at this many rows (median of the window), None if none."""
+        samples = self.samples.get((rows, bold))
+        return statistics.median(samples) if samples else None
 
     def loses(self, rows: int) -> bool:
-        """Whether the bold way measured fewer tokens/s than the plain one at this many rows."""
-        bold, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
-        return bold is not None and plain is not None and bold < plain
+        """Whether the bold way measured fewer tokens/s than the plain one at this many rows, or
+        at fewer."""
+        for n in range(1, rows + 1):
+            bold, plain = self.rate(n, True), self.rate(n, False)
+            if bold is not None and plain is not None and bold < plain:
+                return True
+        return False
 
     def bold(self, rows: int, predicted: bool) -> bool:
         """Whether this step takes the bold way (counted as taken)."""
         choice = predicted and not self.loses(rows)
-        if choice:
+        if self.probing:
+            choice, self.probing = True, self.probing - 1
+        elif choice:
             self.wait = PROBE_EVERY
-            if (rows, False) not in self.rate and self.bold_steps >= PROBE_EVERY:
-                choice = False  # measure the plain way once
+            if self.rate(rows, False) is None and self.bold_steps >= PROBE_EVERY:
+                choice = False  # measure the plain way
         elif self.plain_steps >= self.wait:  # a probe: bold anyway, wait longer next time
             choice, self.wait = True, min(2 * self.wait, PROBE_MAX)
+            self.probing = self.PROBE_STEPS - 1
         self.bold_steps, self.plain_steps = (self.bold_steps + 1, 0) if choice \
             else (0, self.plain_steps + 1)
         return choice
@@ -270,8 +300,9 @@ class BatchDecoder:
             return [], None, None, [], False
         return [], None, "dflash", [], True
 
-    def _draft_all(self, wanted: list[int], plans: list) -> None:
-        """One drafter pass over every row (those not drafting absorb their new context)."""
+    def _draft_all(self, wanted: list[int], plans: list) -> int:
+        """One drafter pass over every row (those not drafting absorb their new context); returns
+        the most context tokens a row absorbed."""
         n, device = len(self.rows), self.target.device
         pending = [torch.cat(r.context, dim=1)[0] if r.context else None for r in self.rows]
         lengths = [0 if p is None else p.shape[0] for p in pending]
@@ -300,6 +331,7 @@ class BatchDecoder:
         for r, part in zip(wanted, logits.split(counts), strict=True):
             sampler = self.rows[r].request.sampler
             plans[r] = (*pick_drafts(part, vocab, sampler, self.target.vocab_size), "dflash")
+        return max(lengths)
 
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Step]]:
@@ -323,9 +355,10 @@ class BatchDecoder:
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
             wanted = []
+        backlog = 0  # context the drafter pass catches up on: > block_size after skipped steps
         if wanted:
             drafted = time.perf_counter()
-            self._draft_all(wanted, plans)
+            backlog = self._draft_all(wanted, plans)
             if self.timing is not None:
                 self.timing("draft", len(rows), 0, time.perf_counter() - drafted)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
@@ -355,7 +388,7 @@ class BatchDecoder:
                for r, plan in kept.items()]
         rate = sum(len(step.token_ids) for _, step in out) / (time.perf_counter() - began)
         if contested:
-            self.drafter_gate.record(len(live), bool(wanted), rate)
+            self.drafter_gate.record(len(live), bool(wanted), rate, backlog <= self.block_size)
         if self.choose is not None and not wanted:
             self.width_gate.record(len(live), width > 1, rate)
         return out

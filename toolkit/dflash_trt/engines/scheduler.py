@@ -15,6 +15,7 @@ import time
 from collections import deque
 
 from dflash_trt.dflash.batch import BatchDecoder, Request
+from dflash_trt.engines import cpu_threads
 from dflash_trt.errors import DflashTrtError
 
 _END = object()  # no more steps for this ticket
@@ -53,8 +54,9 @@ class Scheduler:
     """Owns a BatchDecoder and the thread that steps it; `lock` guards the model it runs."""
 
     def __init__(self, decoder: BatchDecoder, lock: threading.Lock, *, max_queue: int,
-                 queue_timeout_s: float):
+                 queue_timeout_s: float, threads: int | None = None):
         self.decoder, self.lock = decoder, lock
+        self.threads = threads  # torch CPU threads of the stepping thread (engines.cpu_threads)
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self._waiting: deque[Ticket] = deque()
         self._tickets: dict[int, Ticket] = {}  # id(row) -> its ticket
@@ -105,6 +107,8 @@ class Scheduler:
                         "later, or raise engine.max_batch_size or engine.queue_timeout_s"))
 
     def _run(self) -> None:
+        if self.threads is not None:
+            cpu_threads.claim(self.threads)
         while True:
             with self._wake:
                 while not self._closed and not self._waiting and not self.decoder.rows:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
+from dflash_trt.engines import cpu_threads
 from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.detokenize import IncrementalDetokenizer, StopWordFilter
 from dflash_trt.errors import DflashTrtError, UsageError
@@ -73,6 +74,7 @@ class TorchEngine:
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.queue_timeout_s = queue_timeout_s
         self._scheduler = None  # started by the first batched request
+        self.threads = None  # torch CPU threads for the scheduler's thread (engines.cpu_threads)
         self._starting = threading.Lock()
 
     @classmethod
@@ -87,14 +89,16 @@ class TorchEngine:
 
         device = _pick_device(device)
         target_dir = Path(target_dir)
-        model = load_target(target_dir, dtype=dtype, device=device)
-        _pack_for_cpu(model)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        drafter = None
-        if drafter_dir is not None:
-            drafter = load_drafter(Path(drafter_dir), dtype=dtype, device=device)
-            _pack_for_cpu(drafter)
-            _check_pair(model, drafter, drafter_dir)
+        # Batched, the scheduler thread computes: the loading thread must not own threads too.
+        with cpu_threads.loading(device if max_batch_size > 1 else None) as threads:
+            model = load_target(target_dir, dtype=dtype, device=device)
+            _pack_for_cpu(model)
+            tokenizer = AutoTokenizer.from_pretrained(target_dir)
+            drafter = None
+            if drafter_dir is not None:
+                drafter = load_drafter(Path(drafter_dir), dtype=dtype, device=device)
+                _pack_for_cpu(drafter)
+                _check_pair(model, drafter, drafter_dir)
         if block_size is None:
             block_size = drafter.block_size if drafter is not None else 1
         if block_size < 1:
@@ -109,10 +113,12 @@ class TorchEngine:
             raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
         if max_batch_size > 1:
             _check_batchable(model, target_dir)
-        return cls(model, tokenizer, drafter, device=device, block_size=block_size,
-                   max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
-                   max_batch_size=max_batch_size, max_queue=max_queue,
-                   queue_timeout_s=queue_timeout_s)
+        engine = cls(model, tokenizer, drafter, device=device, block_size=block_size,
+                     max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
+                     max_batch_size=max_batch_size, max_queue=max_queue,
+                     queue_timeout_s=queue_timeout_s)
+        engine.threads = threads
+        return engine
 
     def tokenize(self, prompt: str, chat: bool = False,
                  parse_special_tokens: bool = False) -> list[int]:
@@ -202,7 +208,7 @@ class TorchEngine:
                                choose=choose, pays=pays, acceptance=self.acceptance,
                                timing=timing)
         self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
-                                    queue_timeout_s=self.queue_timeout_s)
+                                    queue_timeout_s=self.queue_timeout_s, threads=self.threads)
         return self._scheduler
 
     def close(self) -> None:
