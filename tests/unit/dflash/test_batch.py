@@ -201,7 +201,7 @@ def test_a_drafter_that_never_pays_is_still_probed(setup):
     """After PROBE_EVERY declined steps the drafter drafts anyway, so the measured acceptance can
     recover when the traffic changes; a probe that still does not pay doubles the wait. A probe
     lasts until one of its steps counts: the first catches up on the skipped steps' context, and
-    the first of a way at a row count sets up kernels (Gate)."""
+    the drafting way's first step sets up kernels (Gate)."""
     from dflash_trt.dflash.batch import PROBE_EVERY
 
     target, drafter, prompts, _, _ = setup

@@ -116,8 +116,8 @@ class Gate:
     A way's rate is the median of its last WINDOW counted steps: bold steps are rare, and one
     slow one must not decide for hundreds. Not counted: each way's first step (it sets up
     kernels: the first drafter pass in a served process took 139 ms, later ones 6-12), and a step
-    the caller marks as not representative (a drafter pass catching up on the context of the
-    steps it skipped). A probe takes the bold way again until one of its steps counts,
+    the caller marks as not representative (the drafter's first pass after the gate skipped it,
+    which absorbs the context of every skipped step at once). A probe takes the bold way again until one of its steps counts,
     PROBE_STEPS at most. Drafting pays less the more rows share a forward (each row's drafts
     widen the whole verify), so a bold way measured slower at some row count is taken to lose
     at every larger one too."""
@@ -227,6 +227,9 @@ class BatchDecoder:
         self.rows: list[Row] = []
         self.tally = {"dflash": Tally(self.draft_len), "lookup": Tally(self.draft_len)}
         self.drafter_gate = Gate()  # run the drafter, or not
+        # The gate skipped the drafter since its last pass: rows that wanted it gathered context,
+        # which its next pass absorbs at once (a catch-up, not a representative step).
+        self.drafter_skipped = False
         self.width_gate = Gate()  # verify lookup drafts, or not (steps without the drafter)
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
@@ -300,9 +303,8 @@ class BatchDecoder:
             return [], None, None, [], False
         return [], None, "dflash", [], True
 
-    def _draft_all(self, wanted: list[int], plans: list) -> int:
-        """One drafter pass over every row (those not drafting absorb their new context); returns
-        the most context tokens a row absorbed."""
+    def _draft_all(self, wanted: list[int], plans: list) -> None:
+        """One drafter pass over every row (those not drafting absorb their new context)."""
         n, device = len(self.rows), self.target.device
         pending = [torch.cat(r.context, dim=1)[0] if r.context else None for r in self.rows]
         lengths = [0 if p is None else p.shape[0] for p in pending]
@@ -331,7 +333,6 @@ class BatchDecoder:
         for r, part in zip(wanted, logits.split(counts), strict=True):
             sampler = self.rows[r].request.sampler
             plans[r] = (*pick_drafts(part, vocab, sampler, self.target.vocab_size), "dflash")
-        return max(lengths)
 
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Step]]:
@@ -354,11 +355,12 @@ class BatchDecoder:
                 len(live), self.pays(self.position_rates(), len(live), len(wanted))):
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
-            wanted = []
-        backlog = 0  # context the drafter pass catches up on: > block_size after skipped steps
+            wanted, self.drafter_skipped = [], True
+        catch_up = bool(wanted) and self.drafter_skipped
         if wanted:
+            self.drafter_skipped = False
             drafted = time.perf_counter()
-            backlog = self._draft_all(wanted, plans)
+            self._draft_all(wanted, plans)
             if self.timing is not None:
                 self.timing("draft", len(rows), 0, time.perf_counter() - drafted)
         # 2. The verify width for the whole batch; each row keeps that many leading drafts.
@@ -388,7 +390,7 @@ class BatchDecoder:
                for r, plan in kept.items()]
         rate = sum(len(step.token_ids) for _, step in out) / (time.perf_counter() - began)
         if contested:
-            self.drafter_gate.record(len(live), bool(wanted), rate, backlog <= self.block_size)
+            self.drafter_gate.record(len(live), bool(wanted), rate, counts=not catch_up)
         if self.choose is not None and not wanted:
             self.width_gate.record(len(live), width > 1, rate)
         return out

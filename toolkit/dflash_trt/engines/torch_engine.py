@@ -48,7 +48,7 @@ class TorchEngine:
 
     def __init__(self, model, tokenizer, drafter, *, device: str, block_size: int,
                  max_seq_len: int, prompt_lookup: bool = False, max_batch_size: int = 1,
-                 max_queue: int = 64, queue_timeout_s: float = 60.0):
+                 max_queue: int = 64, queue_timeout_s: float = 60.0, threads: int | None = None):
         from dflash_trt.dflash.target import HFTarget
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
@@ -74,7 +74,7 @@ class TorchEngine:
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.queue_timeout_s = queue_timeout_s
         self._scheduler = None  # started by the first batched request
-        self.threads = None  # torch CPU threads for the scheduler's thread (engines.cpu_threads)
+        self.threads = threads  # torch CPU threads for the scheduler's thread (engines.cpu_threads)
         self._starting = threading.Lock()
 
     @classmethod
@@ -113,12 +113,10 @@ class TorchEngine:
             raise UsageError(f"max_seq_len must be >= 2 (got {max_seq_len})")
         if max_batch_size > 1:
             _check_batchable(model, target_dir)
-        engine = cls(model, tokenizer, drafter, device=device, block_size=block_size,
-                     max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
-                     max_batch_size=max_batch_size, max_queue=max_queue,
-                     queue_timeout_s=queue_timeout_s)
-        engine.threads = threads
-        return engine
+        return cls(model, tokenizer, drafter, device=device, block_size=block_size,
+                   max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
+                   max_batch_size=max_batch_size, max_queue=max_queue,
+                   queue_timeout_s=queue_timeout_s, threads=threads)
 
     def tokenize(self, prompt: str, chat: bool = False,
                  parse_special_tokens: bool = False) -> list[int]:
