@@ -18,8 +18,8 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
 - part `restated`:
   - heldout-code-prompts.jsonl  the first 32 of builtin:code-prompts (held out), unanswered
-  - restated-answers.jsonl   answers to N builtin:restated-prompts (--restated N; a fixed
-                             shuffle), none restating a held-out task
+  - restated-answers.jsonl   answers to N builtin:restated-prompts (--restated N, from
+                             --restated-from; a fixed shuffle), none restating a held-out task
 - part `rehearsal`:
   - rehearsal-answers.jsonl  answers to the last N builtin:method-prompts (--rehearsal N; code
                              the shipped drafter was trained on, mixed in so that training on
@@ -117,9 +117,9 @@ def rehearsal_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
                           batch_size=32, on_batch=lambda d, t, k: log(t0, "rehearsal", d, t, k))
 
 
-def restated_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
-    """Answers to `count` restated prompts (a fixed shuffle), less every task of the held-out
-    code prompts (the first 32 of builtin:code-prompts, written unanswered: train-drafter
+def restated_part(out: Path, model, tokenizer, t0: float, count: int, first: int = 0) -> None:
+    """Answers to `count` restated prompts, from the `first` of a fixed shuffle, less every task
+    of the held-out code prompts (the first 32 of builtin:code-prompts, written unanswered: train-drafter
     --heldout answers them in float32, as the estimate needs)."""
     import random
     import re
@@ -131,7 +131,8 @@ def restated_part(out: Path, model, tokenizer, t0: float, count: int) -> None:
     random.Random(6).shuffle(prompts)
     (out / "heldout-code-prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
                                                             for p in held))
-    corpus.answer_prompts(model, tokenizer, prompts[:count], out / "restated-answers.jsonl",
+    corpus.answer_prompts(model, tokenizer, prompts[first:first + count],
+                          out / "restated-answers.jsonl",
                           batch_size=32, on_batch=lambda d, t, k: log(t0, "restated", d, t, k))
 
 
@@ -142,6 +143,9 @@ def main() -> None:
                         help="comma-separated: code, self-chat, rehearsal, restated")
     parser.add_argument("--rehearsal", type=int, default=320, help="method prompts to answer")
     parser.add_argument("--restated", type=int, default=1024, help="restated prompts to answer")
+    parser.add_argument("--restated-from", type=int, default=0,
+                        help="where in the shuffle the restated prompts start (phase 6 answered "
+                             "the first 1,024)")
     parser.add_argument("--self-chat", type=int, default=1024, help="train prompts to write")
     parser.add_argument("--heldout-chat", type=int, default=64, help="held-out prompts to write")
     parser.add_argument("--seed", type=int, default=0,
@@ -170,7 +174,7 @@ def main() -> None:
     if "rehearsal" in parts:
         rehearsal_part(args.out, model, tokenizer, t0, args.rehearsal)
     if "restated" in parts:
-        restated_part(args.out, model, tokenizer, t0, args.restated)
+        restated_part(args.out, model, tokenizer, t0, args.restated, args.restated_from)
 
 
 if __name__ == "__main__":

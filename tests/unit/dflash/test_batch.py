@@ -104,6 +104,26 @@ def test_batched_rows_accept_every_length_and_stay_exact(setup):
         == {0, 1, 2, 3}
 
 
+def test_a_rows_first_token_comes_before_the_next_rows_prefill(setup):
+    """prefill(each=...) hands each row its first token straight after that row's own forward."""
+    target, drafter, prompts, _, refs = setup
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=3, max_seq_len=128)
+    rows = [decoder.add(Request(p, 5)) for p in prompts[:3]]
+    events, forward = [], target.forward
+
+    def logged_forward(ids, cache, capture):
+        events.append("forward")
+        return forward(ids, cache, capture)
+
+    target.forward = logged_forward
+    try:
+        steps = decoder.prefill(each=lambda row, step: events.append(rows.index(row)))
+    finally:
+        del target.forward
+    assert events == ["forward", 0, "forward", 1, "forward", 2]
+    assert [s.token_ids for _, s in steps] == [[ref[0]] for ref in refs[:3]]
+
+
 def test_bad_words_and_stops_hold_per_row(setup):
     target, drafter, prompts, _, _ = setup
     model = target.model
@@ -280,8 +300,8 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
                                backoff=False, pays=lambda rates, rows, drafting: True)
         gate = decoder.drafter_gate
         for _ in range(2):  # the first of each is not counted
-            gate.record(1, True, drafter_rate)
-            gate.record(1, False, 1e6)
+            gate.record(1, True, drafter_rate, 1.0)
+            gate.record(1, False, 1e6, 1.0)
         gate.record = lambda *args, **kwargs: None  # keep the injected measurements
         decoder.add(Request(prompts[2], 30))
         steps = decoder.prefill()
@@ -305,21 +325,36 @@ def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
     gate = Gate()  # predicted to pay, plain way unmeasured: one plain step measures it
     plain = [i for i in range(3 * PROBE_EVERY) if not gate.bold(2, True)]
     assert plain == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
-    gate.record(2, False, 1.0)  # the first step of a way sets up kernels:
+    gate.record(2, False, 1, 1.0)  # the first step of a way sets up kernels:
     assert gate.rate(2, False) is None  # not counted
-    gate.record(2, False, 10.0)
+    gate.record(2, False, 10, 1.0)
     assert all(gate.bold(2, True) for _ in range(3 * PROBE_EVERY))  # measured now: no more
-    gate.record(2, True, 0.1)
-    gate.record(2, True, 5.0)  # the bold way measured slower: plain although predicted to pay
+    gate.record(2, True, 1, 10.0)
+    gate.record(2, True, 5, 1.0)  # the bold way measured slower: plain although predicted to pay
     assert not gate.bold(2, True) and gate.loses(4)  # and at more rows, not at fewer
     assert not gate.loses(1)
-    gate.record(2, True, 25.0)
-    gate.record(2, True, 30.0, counts=False)  # a step the caller says is not representative
-    assert gate.rate(2, True) == pytest.approx(15.0) and gate.bold(2, True)  # median of 5, 25
-    for fast in (40.0, 50.0):
-        gate.record(2, True, fast)
-    gate.record(2, True, 0.5)  # one slow step among fast ones does not flip the choice
-    assert gate.rate(2, True) == pytest.approx(25.0) and gate.bold(2, True)  # 0.5 5 25 40 50
+    gate.record(2, True, 25, 1.0)
+    gate.record(2, True, 30, 1.0, counts=False)  # a step the caller says is not representative
+    assert gate.rate(2, True) == pytest.approx(15.0) and gate.bold(2, True)  # (5 + 25) / 2 s
+    gate.record(2, True, 2, 8.0)  # one stalled step among fast ones does not flip the choice
+    gate.record(2, True, 1, 1.0)
+    assert gate.rate(2, True) == pytest.approx(31 / 3) and gate.bold(2, True)  # 8 s one left out
+
+
+def test_the_gate_judges_a_way_by_its_throughput_not_its_typical_step():
+    """A weak drafter: five of eight steps accept nothing (1 token in 30 ms, slower than plain
+    decoding's 1 in 20 ms), three accept five drafts (6 tokens). The median step loses; the
+    throughput (23 tokens in 0.24 s, 96 tokens/s against 50) wins, and the gate drafts."""
+    from dflash_trt.dflash.batch import Gate
+
+    gate = Gate()
+    for _ in range(4):
+        gate.record(1, False, 1, 0.020)
+    for tokens in (1, 1, 6, 1, 1, 6, 1, 6, 1):  # the first is not counted
+        gate.record(1, True, tokens, 0.030)
+    assert gate.rate(1, True) == pytest.approx(22 / 0.21)  # one 30 ms step left out
+    assert gate.rate(1, False) == pytest.approx(50.0)
+    assert not gate.loses(1) and gate.bold(1, True)
 
 
 def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
@@ -327,17 +362,17 @@ def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
 
     gate = Gate()
     for _ in range(2):  # both ways measured (the first of each way does not count), bold slower
-        gate.record(1, True, 1.0)
-        gate.record(1, False, 10.0)
+        gate.record(1, True, 1, 1.0)
+        gate.record(1, False, 10, 1.0)
     taken = [gate.bold(1, True) for _ in range(PROBE_EVERY + 1)]
     assert taken == [False] * PROBE_EVERY + [True]
-    gate.record(1, True, 1.0, counts=False)  # the probe's first step caught up on context
+    gate.record(1, True, 1, 1.0, counts=False)  # the probe's first step caught up on context
     assert gate.bold(1, True)  # so the probe goes on
-    gate.record(1, True, 2.0)  # counted: the probe ends
+    gate.record(1, True, 2, 1.0)  # counted: the probe ends
     assert not gate.bold(1, True)
     gate = Gate()
     for _ in range(2):
-        gate.record(1, True, 1.0)
-        gate.record(1, False, 10.0)
+        gate.record(1, True, 1, 1.0)
+        gate.record(1, False, 10, 1.0)
     taken = [gate.bold(1, True) for _ in range(PROBE_EVERY + Gate.PROBE_STEPS + 1)]
     assert taken == [False] * PROBE_EVERY + [True] * Gate.PROBE_STEPS + [False]  # at most

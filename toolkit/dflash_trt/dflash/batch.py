@@ -20,7 +20,6 @@ a row's logits with other matrix shapes than batch 1 does, so floats may differ 
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -113,39 +112,48 @@ class Gate:
     PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
     does and the plain way is unmeasured at this many rows, one plain step measures it.
 
-    A way's rate is the median of its last WINDOW counted steps: bold steps are rare, and one
-    slow one must not decide for hundreds. Not counted: each way's first step (it sets up
-    kernels: the first drafter pass in a served process took 139 ms, later ones 6-12), and a step
-    the caller marks as not representative (the drafter's first pass after the gate skipped it,
-    which absorbs the context of every skipped step at once). A probe takes the bold way again until one of its steps counts,
-    PROBE_STEPS at most. Drafting pays less the more rows share a forward (each row's drafts
-    widen the whole verify), so a bold way measured slower at some row count is taken to lose
-    at every larger one too."""
+    A way's rate is its tokens over its seconds in its last WINDOW counted steps, less the
+    slowest of them (a step the machine stalled must not decide for hundreds). Not a median of
+    per-step rates: a drafting step's tokens are skewed (most steps of a weak drafter accept
+    nothing, a few accept many), so its typical step is slower than plain decoding even where its
+    throughput is higher. Not counted: each way's first step (it sets up kernels: the first
+    drafter pass in a served process took 139 ms, later ones 6-12), and a step the caller marks
+    as not representative (the drafter's first pass after the gate skipped it, which absorbs the
+    context of every skipped step at once). A probe takes the bold way again until one of its
+    steps counts, PROBE_STEPS at most. Drafting pays less the more rows share a forward (each
+    row's drafts widen the whole verify), so a bold way measured slower at some row count is
+    taken to lose at every larger one too."""
 
-    WINDOW = 8
+    WINDOW = 32
     PROBE_STEPS = 3
 
     def __init__(self):
-        self.samples: dict[tuple[int, bool], deque[float]] = {}  # (rows, bold) -> tokens/s
+        # (rows, bold) -> (tokens, seconds) of its last WINDOW counted steps
+        self.samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
         self.plain_steps = self.bold_steps = 0  # in a row
         self.wait = PROBE_EVERY
         self.probing = 0  # bold steps left in the current probe
         self.warm: set[bool] = set()  # the ways whose first step has run
 
-    def record(self, rows: int, bold: bool, tokens_per_s: float, counts: bool = True) -> None:
+    def record(self, rows: int, bold: bool, tokens: int, seconds: float,
+               counts: bool = True) -> None:
         if not counts:
             return
         if bold not in self.warm:  # the first: kernels set up, not counted
             self.warm.add(bold)
             return
-        self.samples.setdefault((rows, bold), deque(maxlen=self.WINDOW)).append(tokens_per_s)
+        self.samples.setdefault((rows, bold), deque(maxlen=self.WINDOW)).append((tokens, seconds))
         if bold:
             self.probing = 0
 
     def rate(self, rows: int, bold: bool) -> float | None:
-        """The way's measured tokens/s at this many rows (median of the window), None if none."""
-        samples = self.samples.get((rows, bold))
-        return statistics.median(samples) if samples else None
+        """The way's measured tokens/s at this many rows, None if unmeasured: tokens over seconds
+        of the window, less its slowest step once there are three."""
+        samples = list(self.samples.get((rows, bold), ()))
+        if len(samples) >= 3:
+            samples.remove(max(samples, key=lambda sample: sample[1]))
+        seconds = sum(s for _, s in samples)
+        return sum(t for t, _ in samples) / seconds if seconds > 0 else None
 
     def loses(self, rows: int) -> bool:
         """Whether the bold way measured fewer tokens/s than the plain one at this many rows, or
@@ -259,8 +267,11 @@ class BatchDecoder:
         self.rows.pop()
 
     @torch.inference_mode()
-    def prefill(self) -> list[tuple[Row, Step]]:
-        """One prompt chunk for every row still in its prompt; the first token of those done."""
+    def prefill(self, each: Callable[[Row, Step], None] | None = None) -> list[tuple[Row, Step]]:
+        """One prompt chunk for every row still in its prompt; the first token of those done.
+
+        `each(row, step)` is called with a row's first token as soon as it is sampled, before
+        the next row's prefill (so a stream's first token does not wait for its neighbours')."""
         out = []
         for i, row in enumerate(self.rows):
             if row.token is not None or row.finish is not None:
@@ -287,6 +298,8 @@ class BatchDecoder:
             row.finish = "eos" if row.token in row.stops else \
                 "length" if req.max_new_tokens <= 1 else None
             out.append((row, Step([row.token], 0, 0, row.finish)))
+            if each is not None:
+                each(*out[-1])
         return out
 
     def _drafts(self, row: Row) -> tuple[list[int], object, str | None, list[float], bool]:
@@ -388,11 +401,11 @@ class BatchDecoder:
             self.timing("verify", len(rows), width, time.perf_counter() - verified)
         out = [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
                for r, plan in kept.items()]
-        rate = sum(len(step.token_ids) for _, step in out) / (time.perf_counter() - began)
+        tokens, seconds = sum(len(step.token_ids) for _, step in out), time.perf_counter() - began
         if contested:
-            self.drafter_gate.record(len(live), bool(wanted), rate, counts=not catch_up)
+            self.drafter_gate.record(len(live), bool(wanted), tokens, seconds, counts=not catch_up)
         if self.choose is not None and not wanted:
-            self.width_gate.record(len(live), width > 1, rate)
+            self.width_gate.record(len(live), width > 1, tokens, seconds)
         return out
 
     def _chances(self, confidence: list[float], source: str | None) -> list[float]:

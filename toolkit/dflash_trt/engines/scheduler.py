@@ -118,8 +118,9 @@ class Scheduler:
             self._admit()
             try:
                 with self.lock:
-                    self._publish(self.decoder.prefill())
-                    self._publish(self.decoder.decode())
+                    self.decoder.prefill(each=self._publish_one)
+                    for row, step in self.decoder.decode():
+                        self._publish_one(row, step)
             except Exception as exc:  # a failed forward fails its batch, not the server
                 for row in list(self.decoder.rows):
                     self._tickets.pop(id(row)).put(exc)
@@ -134,8 +135,7 @@ class Scheduler:
         for ticket in [*self._waiting, *self._tickets.values()]:
             ticket.put(EngineBusy("the engine shut down"))
 
-    def _publish(self, events) -> None:
-        for row, step in events:
-            ticket = self._tickets[id(row)]
-            if not ticket.cancelled:
-                ticket.put(step)
+    def _publish_one(self, row, step) -> None:
+        ticket = self._tickets[id(row)]
+        if not ticket.cancelled:
+            ticket.put(step)
