@@ -154,3 +154,39 @@ def test_online_costs_follow_what_the_batch_measures():
     costs.record("draft", 4, 0, 0.01)
     assert costs.draft_s(4) == 0.01 and costs.draft_s(1) == 0.02
     assert costs.verify_s(1, 2) == 0.12  # other row counts keep the stored model
+
+
+def test_a_batching_cpu_engine_measures_its_costs_off_the_loading_thread(engine_dir, tmp_path,
+                                                                         monkeypatch):
+    """The loading thread must not start an OpenMP team beside the scheduler's
+    (engines.cpu_threads): a cost model measured at load runs on a thread of its own, with the
+    engine's thread count; a batch-1 engine measures on the caller's thread."""
+    import dataclasses
+    import shutil
+    import threading
+
+    import torch
+
+    from dflash_trt.engines import cost_model, load_engine
+    from dflash_trt.engines.spec import EngineSpec
+
+    root = tmp_path / "engine"
+    shutil.copytree(engine_dir, root, ignore=shutil.ignore_patterns(COST_MODEL_FILE))
+    seen = []
+    real = cost_model.measure
+
+    def measure_here(engine, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(engine, context_tokens=16, repeats=1)
+
+    monkeypatch.setattr(cost_model, "measure", measure_here)
+    threads = torch.get_num_threads()
+    spec = EngineSpec.read(root)
+    for rows in (2, 1):
+        dataclasses.replace(spec, max_batch_size=rows).write(root)
+        engine = load_engine(root)
+        try:
+            assert engine.cost_model is not None
+        finally:
+            engine.close()
+    assert seen == [("dflash-apart", threads), (threading.current_thread().name, threads)]

@@ -30,10 +30,16 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
                               queue_timeout_s=spec.queue_timeout_s)
     if spec.draft_length == "adaptive" and engine.drafter is not None and engine.block_size > 1:
         from dflash_trt.dflash.acceptance import calibrated, read_calibration
+        from dflash_trt.engines import cpu_threads
         from dflash_trt.engines.cost_model import CALIBRATION_FILE, cost_model_for
 
-        # The stored cost model when it was measured on this device kind, else measured now.
-        engine.cost_model = cost_model_for(engine, engine_dir)
+        # The stored cost model when it was measured on this device kind, else measured now;
+        # for a batching CPU engine off this thread, which must not start an OpenMP team.
+        if engine.device == "cpu" and engine.max_batch_size > 1:
+            engine.cost_model = cpu_threads.apart(engine.threads, cost_model_for, engine,
+                                                  engine_dir)
+        else:
+            engine.cost_model = cost_model_for(engine, engine_dir)
         if (engine_dir / CALIBRATION_FILE).is_file():
             engine.acceptance = calibrated(read_calibration(engine_dir / CALIBRATION_FILE))
     return engine

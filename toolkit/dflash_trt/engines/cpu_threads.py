@@ -8,13 +8,18 @@ and the scheduler thread that steps the batch must not both own a team: on the 2
 project measures on, the same plain decoding ran 29 tokens/s on the scheduler thread after the
 model had loaded on the main thread with two threads, and 48 when it had loaded with one
 (docs/benchmarks.md). `loading` keeps the calling thread from starting a team while it loads;
-`claim` gives the stepping thread the threads back.
+`claim` gives the stepping thread the threads back; `apart` runs other work of the loading thread
+(measuring a cost model) on a thread of its own, whose team ends with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -39,3 +44,23 @@ def claim(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def apart(threads: int, fn: Callable[..., T], *args) -> T:
+    """fn(*args) on a short-lived thread with `threads` torch threads, for the caller's result or
+    exception: parallel work the loading thread must not do itself (its team would outlive it)."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        claim(threads)
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="dflash-apart")
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
