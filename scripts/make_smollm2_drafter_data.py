@@ -19,7 +19,8 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
 - part `restated`:
   - heldout-code-prompts.jsonl  the first 32 of builtin:code-prompts (held out), unanswered
   - restated-answers.jsonl   answers to N builtin:restated-prompts (--restated N, from
-                             --restated-from; a fixed shuffle), none restating a held-out task
+                             --restated-from; a fixed shuffle), none restating a held-out task,
+                             less any that quotes an evaluation prompt (answers/ keeps all)
 - part `rehearsal`:
   - rehearsal-answers.jsonl  answers to the last N builtin:method-prompts (--rehearsal N; code
                              the shipped drafter was trained on, mixed in so that training on
@@ -131,9 +132,10 @@ def restated_part(out: Path, model, tokenizer, t0: float, count: int, first: int
     random.Random(6).shuffle(prompts)
     (out / "heldout-code-prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
                                                             for p in held))
-    corpus.answer_prompts(model, tokenizer, prompts[first:first + count],
-                          out / "restated-answers.jsonl",
-                          batch_size=32, on_batch=lambda d, t, k: log(t0, "restated", d, t, k))
+    answers = corpus.answer_prompts(model, tokenizer, prompts[first:first + count],
+                                    out / "answers" / "restated-answers.jsonl", batch_size=32,
+                                    on_batch=lambda d, t, k: log(t0, "restated", d, t, k))
+    write_without_eval_prompts(answers, out / "restated-answers.jsonl")
 
 
 def main() -> None:
