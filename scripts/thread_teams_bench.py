@@ -9,6 +9,10 @@ MODE is where the model loads and where it decodes (torch CPU threads in bracket
              batching engine ran before engines.cpu_threads
   load-one   loads on the main thread (one thread), decodes on another (all threads): how the
              batching engine runs now
+  main-work  as load-one, but the main thread runs parallel work (200 matmuls, all threads)
+             before decoding starts: how a cost model measured at load ran before
+             engines.cpu_threads.apart
+  apart-work as main-work, the work on a short-lived thread (cpu_threads.apart): how it runs now
 Each mode decodes 8 prompts x 48 tokens at 1 and then 4 rows, twice, and prints tokens/s. Run one
 mode per process: libgomp's thread teams live as long as the threads that started them.
 """
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("main", "one", "thread", "load-one")
+MODES = ("main", "one", "thread", "load-one", "main-work", "apart-work")
 
 
 def main() -> None:
@@ -32,7 +36,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="builtin:chat")
     args = parser.parse_args()
     threads = torch.get_num_threads()
-    if args.mode in ("one", "load-one"):
+    if args.mode in ("one", "load-one", "main-work", "apart-work"):
         torch.set_num_threads(1)
 
     from dflash_trt.dflash.batch import BatchDecoder, Request
@@ -57,8 +61,21 @@ def main() -> None:
                 decoder.remove(row)
         return tokens / (time.perf_counter() - began)
 
+    def work() -> None:
+        x, w = torch.randn(256, 576), torch.randn(1536, 576)
+        for _ in range(200):
+            x @ w.T
+
+    if args.mode == "main-work":
+        torch.set_num_threads(threads)
+        work()
+    elif args.mode == "apart-work":
+        from dflash_trt.engines import cpu_threads
+
+        cpu_threads.apart(threads, work)
+
     def run() -> None:
-        if args.mode == "load-one":
+        if args.mode in ("load-one", "main-work", "apart-work"):
             torch.set_num_threads(threads)
         for rows in (1, 4, 1, 4):
             print(f"{args.mode}: {rows} rows, {tokens_per_s(rows):.1f} tok/s "

@@ -299,7 +299,7 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
         decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                                backoff=False, pays=lambda rates, rows, drafting: True)
         gate = decoder.drafter_gate
-        for _ in range(2):  # the first of each is not counted
+        for _ in range(1 + gate.PLAIN_SAMPLES):  # the first of each is not counted
             gate.record(1, True, drafter_rate, 1.0)
             gate.record(1, False, 1e6, 1.0)
         gate.record = lambda *args, **kwargs: None  # keep the injected measurements
@@ -322,11 +322,15 @@ def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
     taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(2, False)]
     probe = range(Gate.PROBE_STEPS)  # nothing recorded: each probe runs its longest
     assert taken == [PROBE_EVERY + i for i in probe] + [3 * PROBE_EVERY + 3 + i for i in probe]
-    gate = Gate()  # predicted to pay, plain way unmeasured: one plain step measures it
+    gate = Gate()  # predicted to pay, plain way unmeasured: one step in PLAIN_EVERY is plain
     plain = [i for i in range(3 * PROBE_EVERY) if not gate.bold(2, True)]
-    assert plain == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    every = Gate.PLAIN_EVERY + 1
+    assert plain == list(range(Gate.PLAIN_EVERY, 3 * PROBE_EVERY, every))
     gate.record(2, False, 1, 1.0)  # the first step of a way sets up kernels:
     assert gate.rate(2, False) is None  # not counted
+    for _ in range(Gate.PLAIN_SAMPLES - 1):
+        gate.record(2, False, 10, 1.0)
+    assert not all(gate.bold(2, True) for _ in range(every))  # one sample short: still measured
     gate.record(2, False, 10, 1.0)
     assert all(gate.bold(2, True) for _ in range(3 * PROBE_EVERY))  # measured now: no more
     gate.record(2, True, 1, 10.0)

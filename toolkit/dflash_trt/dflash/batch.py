@@ -110,7 +110,8 @@ class Gate:
     accepted drafts, a busy machine). The bold way runs when predicted to pay and not measured
     slower than the plain one at this many rows. While it does not, a probe takes it after
     PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
-    does and the plain way is unmeasured at this many rows, one plain step measures it.
+    does and the plain way has fewer than PLAIN_SAMPLES counted steps at this many rows, one
+    step in PLAIN_EVERY is plain.
 
     A way's rate is its tokens over its seconds in its last WINDOW counted steps, less the
     slowest of them (a step the machine stalled must not decide for hundreds). Not a median of
@@ -126,6 +127,11 @@ class Gate:
 
     WINDOW = 32
     PROBE_STEPS = 3
+    # While the bold way runs, one plain step in PLAIN_EVERY measures the plain way at this many
+    # rows until it has PLAIN_SAMPLES counted steps: one plain step alone, slow by chance, would
+    # keep a losing bold way running for the rest of the process.
+    PLAIN_EVERY = 4
+    PLAIN_SAMPLES = 8
 
     def __init__(self):
         # (rows, bold) -> (tokens, seconds) of its last WINDOW counted steps
@@ -171,7 +177,8 @@ class Gate:
             choice, self.probing = True, self.probing - 1
         elif choice:
             self.wait = PROBE_EVERY
-            if self.rate(rows, False) is None and self.bold_steps >= PROBE_EVERY:
+            if len(self.samples.get((rows, False), ())) < self.PLAIN_SAMPLES \
+                    and self.bold_steps >= self.PLAIN_EVERY:
                 choice = False  # measure the plain way
         elif self.plain_steps >= self.wait:  # a probe: bold anyway, wait longer next time
             choice, self.wait = True, min(2 * self.wait, PROBE_MAX)
