@@ -322,7 +322,7 @@ def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
     taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(2, False)]
     probe = range(Gate.PROBE_STEPS)  # nothing recorded: each probe runs its longest
     assert taken == [PROBE_EVERY + i for i in probe] + [3 * PROBE_EVERY + 3 + i for i in probe]
-    gate = Gate()  # predicted to pay, plain way unmeasured: one step in PLAIN_EVERY is plain
+    gate = Gate()  # predicted to pay, plain way unmeasured: a plain step after PLAIN_EVERY bold
     plain = [i for i in range(3 * PROBE_EVERY) if not gate.bold(2, True)]
     every = Gate.PLAIN_EVERY + 1
     assert plain == list(range(Gate.PLAIN_EVERY, 3 * PROBE_EVERY, every))

@@ -110,8 +110,8 @@ class Gate:
     accepted drafts, a busy machine). The bold way runs when predicted to pay and not measured
     slower than the plain one at this many rows. While it does not, a probe takes it after
     PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
-    does and the plain way has fewer than PLAIN_SAMPLES counted steps at this many rows, one
-    step in PLAIN_EVERY is plain.
+    does and the plain way has fewer than PLAIN_SAMPLES counted steps at this many rows, a plain
+    step follows every PLAIN_EVERY bold ones.
 
     A way's rate is its tokens over its seconds in its last WINDOW counted steps, less the
     slowest of them (a step the machine stalled must not decide for hundreds). Not a median of
@@ -127,9 +127,9 @@ class Gate:
 
     WINDOW = 32
     PROBE_STEPS = 3
-    # While the bold way runs, one plain step in PLAIN_EVERY measures the plain way at this many
-    # rows until it has PLAIN_SAMPLES counted steps: one plain step alone, slow by chance, would
-    # keep a losing bold way running for the rest of the process.
+    # While the bold way runs, a plain step after every PLAIN_EVERY bold ones measures the plain
+    # way at this many rows until it has PLAIN_SAMPLES counted steps: one plain step alone, slow
+    # by chance, would keep a losing bold way running for the rest of the process.
     PLAIN_EVERY = 4
     PLAIN_SAMPLES = 8
 
