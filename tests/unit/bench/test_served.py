@@ -13,6 +13,7 @@ from dflash_trt.bench.served import (
     BenchConfig,
     RequestTimeout,
     StreamEvent,
+    median_speedup,
     modes_for_level,
     run_benchmark,
     run_level,
@@ -163,6 +164,40 @@ def test_benchmark_with_baseline_sends_num_draft_tokens_zero_and_reports_everyth
     assert "DFlash vs the same model with `num_draft_tokens=0`" in text
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeats_run_back_to_back_in_alternating_order_and_the_speedup_is_their_median(tmp_path):
+    make_sender, _ = spec_server(4)
+    config = BenchConfig(concurrency=(1, 2), num_requests=2, max_tokens=8, warmup=0,
+                         baseline=True, repeats=3)
+    levels = []
+    result = run_benchmark(make_sender, ["p"], config, meta={},
+                           on_level=lambda mode, c, n: levels.append((mode, c)))
+
+    D, B = DFLASH, BASELINE
+    assert levels == [(D, 1), (B, 1), (B, 1), (D, 1), (D, 1), (B, 1),
+                      (B, 2), (D, 2), (D, 2), (B, 2), (B, 2), (D, 2)]
+    assert [(lv.mode, lv.repeat) for lv in result.levels[:4]] == [(D, 0), (B, 0), (B, 1), (D, 1)]
+    assert [s.concurrency for s in result.repeat_speedups] == [1, 1, 1, 2, 2, 2]
+    assert [s.concurrency for s in result.speedups] == [1, 2]
+    assert len(result.stats(DFLASH)) == 2  # one run per level: its median one
+    for c in (1, 2):
+        each = sorted(s.output_token_throughput for s in result.repeat_speedups
+                      if s.concurrency == c)
+        assert result.speedups[c - 1].output_token_throughput == each[1]
+    text = write_outputs(result, tmp_path)[1].read_text()
+    assert "3 run(s) per level and mode" in text and "medians over a level's repeats" in text
+
+
+def test_median_speedup_takes_each_ratio_s_median_and_nan_when_a_repeat_lacks_it():
+    from dflash_trt.bench.metrics import Speedup
+
+    runs = [Speedup(4, 1.10, 1.0, 2.0, 0.9), Speedup(4, 0.90, 1.2, float("nan"), 1.1),
+            Speedup(4, 1.00, 0.8, 1.0, 1.0)]
+    median = median_speedup(runs)
+    assert (median.concurrency, median.output_token_throughput, median.request_latency_p50,
+            median.itl_p50) == (4, 1.00, 1.0, 1.0)
+    assert median.ttft_p50 != median.ttft_p50  # NaN
 
 
 def test_benchmark_stops_early_when_every_warmup_request_fails():

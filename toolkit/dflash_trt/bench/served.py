@@ -8,8 +8,10 @@ timestamped on arrival; bench.metrics turns the timelines into TTFT, ITL, latenc
 
 With a baseline, every level runs twice on the same server: DFlash (the server's default number of
 draft tokens) and the same model with `num_draft_tokens=0`. The two runs of a level are back to
-back and their order alternates from level to level, so slow drift of a shared machine does not
-favour one mode.
+back and their order alternates from run to run, so slow drift of a shared machine does not
+favour one mode. With repeats, every level runs that many times per mode, back to back in that
+alternating order (D B, B D, ...), and the speedup of a level is the median of its repeats' ratios:
+on a machine whose speed drifts between runs, one pair of runs per level decides nothing close.
 
 No torch here: tritonclient via dflash_trt.serving.client, matplotlib only when plots are written.
 """
@@ -19,10 +21,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dflash_trt.bench.metrics import (
@@ -156,14 +159,16 @@ class BenchConfig:
     baseline: bool = False
     temperature: float = 0.0
     timeout_s: float = 600.0
+    repeats: int = 1  # runs per level and mode
 
 
 @dataclass
 class LevelResult:
-    """One (mode, concurrency) run."""
+    """One (mode, concurrency, repeat) run."""
 
     mode: str
     stats: LevelStats
+    repeat: int = 0
 
 
 @dataclass
@@ -172,10 +177,18 @@ class BenchResult:
 
     meta: dict
     levels: list[LevelResult] = field(default_factory=list)
-    speedups: list[Speedup] = field(default_factory=list)
+    speedups: list[Speedup] = field(default_factory=list)  # per level: medians over its repeats
+    repeat_speedups: list[Speedup] = field(default_factory=list)  # per level and repeat
 
     def stats(self, mode: str) -> list[LevelStats]:
-        return [lv.stats for lv in self.levels if lv.mode == mode]
+        """Per level, the run of the mode's median output throughput over its repeats (the
+        lower middle one of an even number)."""
+        by_level: dict[int, list[LevelStats]] = {}
+        for lv in self.levels:
+            if lv.mode == mode:
+                by_level.setdefault(lv.stats.concurrency, []).append(lv.stats)
+        return [sorted(runs, key=lambda s: s.output_token_throughput)[(len(runs) - 1) // 2]
+                for runs in by_level.values()]
 
     @property
     def num_errors(self) -> int:
@@ -185,8 +198,10 @@ class BenchResult:
         return {
             "meta": self.meta,
             "definitions": DEFINITIONS,
-            "levels": [{"mode": lv.mode, **lv.stats.to_dict()} for lv in self.levels],
+            "levels": [{"mode": lv.mode, "repeat": lv.repeat, **lv.stats.to_dict()}
+                       for lv in self.levels],
             "speedups": [asdict(s) for s in self.speedups],
+            "repeat_speedups": [asdict(s) for s in self.repeat_speedups],
         }
 
 
@@ -206,7 +221,8 @@ DEFINITIONS = {
 
 
 def modes_for_level(index: int, baseline: bool) -> list[str]:
-    """DFlash alone, or both modes with the order alternating from level to level."""
+    """DFlash alone, or both modes with the order alternating from run to run (index: the
+    run's number in the sweep, counting each level's repeats)."""
     if not baseline:
         return [DFLASH]
     return [DFLASH, BASELINE] if index % 2 == 0 else [BASELINE, DFLASH]
@@ -241,18 +257,33 @@ def run_benchmark(make_sender: Callable[[], tuple[Sender, Callable[[], None]]],
             first = warm[0]
             raise DflashTrtError(f"every {mode} warm-up request failed "
                                  f"({first.error or 'timeout'}); check the server and --url")
-    for i, concurrency in enumerate(config.concurrency):
-        for mode in modes_for_level(i, config.baseline):
-            if on_level is not None:
-                on_level(mode, concurrency, config.num_requests)
-            timelines = run_level(make_sender, prompts, concurrency=concurrency,
-                                  num_requests=config.num_requests,
-                                  options=options_for(mode, config), on_done=on_done)
-            result.levels.append(LevelResult(mode, summarize(timelines, concurrency)))
-    if config.baseline:
-        baseline = {s.concurrency: s for s in result.stats(BASELINE)}
-        result.speedups = [speedup(s, baseline[s.concurrency]) for s in result.stats(DFLASH)]
+    runs = itertools.count()
+    for concurrency in config.concurrency:
+        for repeat in range(config.repeats):
+            pair = {}
+            for mode in modes_for_level(next(runs), config.baseline):
+                if on_level is not None:
+                    on_level(mode, concurrency, config.num_requests)
+                timelines = run_level(make_sender, prompts, concurrency=concurrency,
+                                      num_requests=config.num_requests,
+                                      options=options_for(mode, config), on_done=on_done)
+                pair[mode] = summarize(timelines, concurrency)
+                result.levels.append(LevelResult(mode, pair[mode], repeat))
+            if config.baseline:
+                result.repeat_speedups.append(speedup(pair[DFLASH], pair[BASELINE]))
+    result.speedups = [median_speedup([s for s in result.repeat_speedups if s.concurrency == c])
+                       for c in config.concurrency] if config.baseline else []
     return result
+
+
+def median_speedup(repeats: Sequence[Speedup]) -> Speedup:
+    """Each ratio's median over a level's repeats (NaN where a repeat had none)."""
+    def median(name: str) -> float:
+        values = [getattr(s, name) for s in repeats]
+        return math.nan if any(math.isnan(v) for v in values) else statistics.median(values)
+
+    return Speedup(concurrency=repeats[0].concurrency,
+                   **{f.name: median(f.name) for f in fields(Speedup) if f.name != "concurrency"})
 
 
 # --- the tritonclient sender -------------------------------------------------------------------
@@ -305,16 +336,17 @@ def markdown(result: BenchResult) -> str:
     lines = ["## Served benchmark", "",
              f"Server `{meta.get('url')}` ({meta.get('protocol')}), model `{meta.get('model')}`, "
              f"prompts `{meta.get('prompts')}`, {cfg.get('num_requests')} requests per level, "
-             f"max_tokens {cfg.get('max_tokens')}, temperature {cfg.get('temperature')}, "
+             f"{cfg.get('repeats', 1)} run(s) per level and mode, max_tokens {cfg.get('max_tokens')}, temperature {cfg.get('temperature')}, "
              f"streaming. Latencies in ms (request latency in s).", "",
-             "| mode | concurrency | ok | errors (timeouts) | output tok/s | req/s | TTFT p50 "
+             "| mode | concurrency | repeat | ok | errors (timeouts) | output tok/s | req/s | TTFT p50 "
              "| TTFT p99 | ITL p50 | ITL p99 | latency p50 | latency p90 | latency p99 "
              "| tokens/response | acceptance length |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for lv in sorted(result.levels, key=lambda lv: (lv.stats.concurrency, lv.mode != DFLASH)):
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lv in sorted(result.levels,
+                     key=lambda lv: (lv.stats.concurrency, lv.mode != DFLASH, lv.repeat)):
         s = lv.stats
         lines.append(
-            f"| {lv.mode} | {s.concurrency} | {s.num_ok}/{s.num_requests} "
+            f"| {lv.mode} | {s.concurrency} | {lv.repeat} | {s.num_ok}/{s.num_requests} "
             f"| {s.num_errors} ({s.num_timeouts}) | {_f(s.output_token_throughput)} "
             f"| {_f(s.request_throughput, spec='.2f')} | {_f(s.ttft.p50, 1e3)} "
             f"| {_f(s.ttft.p99, 1e3)} | {_f(s.itl.p50, 1e3)} | {_f(s.itl.p99, 1e3)} "
@@ -322,12 +354,18 @@ def markdown(result: BenchResult) -> str:
             f"| {_f(s.request_latency.p99, spec='.2f')} | {_f(s.tokens_per_response, spec='.2f')} "
             f"| {_f(s.acceptance_length, spec='.2f')} |")
     if result.speedups:
-        lines += ["", "DFlash vs the same model with `num_draft_tokens=0` (> 1 favours DFlash):", "",
-                  "| concurrency | output tok/s | request latency p50 | TTFT p50 | ITL p50 |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {s.concurrency} | {_f(s.output_token_throughput, spec='.2f')}x "
-                  f"| {_f(s.request_latency_p50, spec='.2f')}x | {_f(s.ttft_p50, spec='.2f')}x "
-                  f"| {_f(s.itl_p50, spec='.2f')}x |" for s in result.speedups]
+        lines += ["", "DFlash vs the same model with `num_draft_tokens=0` (> 1 favours DFlash; "
+                  "medians over a level's repeats):", "",
+                  "| concurrency | output tok/s | request latency p50 | TTFT p50 | ITL p50 "
+                  "| output tok/s per repeat |",
+                  "|---|---|---|---|---|---|"]
+        for s in result.speedups:
+            each = [r.output_token_throughput for r in result.repeat_speedups
+                    if r.concurrency == s.concurrency]
+            lines.append(f"| {s.concurrency} | {_f(s.output_token_throughput, spec='.3f')}x "
+                         f"| {_f(s.request_latency_p50, spec='.2f')}x "
+                         f"| {_f(s.ttft_p50, spec='.2f')}x | {_f(s.itl_p50, spec='.2f')}x "
+                         f"| {', '.join(_f(x, spec='.3f') for x in each)} |")
     errors = [(lv.mode, lv.stats) for lv in result.levels if lv.stats.num_errors]
     if errors:
         lines += ["", f"**{result.num_errors} requests failed:**"]

@@ -70,6 +70,9 @@ def _progress():
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True)
 @click.option("--baseline", is_flag=True,
               help="Also run every level with num_draft_tokens=0 and report the speedup.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per level and mode, back to back in alternating order; the speedups "
+                   "are medians over them.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
               help="Unmeasured requests per mode before the sweep.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=600.0,
@@ -77,7 +80,7 @@ def _progress():
 @click.option("--output", "output_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("bench-results"), show_default=True)
 def bench_command(url, protocol, model_name, prompt_spec, num_prompts, concurrency, num_requests,
-                  max_tokens, temperature, baseline, warmup, timeout_s, output_dir):
+                  max_tokens, temperature, baseline, repeats, warmup, timeout_s, output_dir):
     """Load-test a served DFlash model: TTFT, ITL, latency, throughput, acceptance."""
     from dflash_trt.bench import served as bench
     from dflash_trt.prompts import load_prompts
@@ -86,7 +89,7 @@ def bench_command(url, protocol, model_name, prompt_spec, num_prompts, concurren
     prompts = load_prompts(prompt_spec, num_prompts)
     config = bench.BenchConfig(concurrency=concurrency, num_requests=num_requests,
                                max_tokens=max_tokens, warmup=warmup, baseline=baseline,
-                               temperature=temperature, timeout_s=timeout_s)
+                               temperature=temperature, timeout_s=timeout_s, repeats=repeats)
     meta = {"url": url, "protocol": protocol, "model": model_name, "prompts": prompt_spec,
             "num_prompts": len(prompts), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": platform.node(), "machine": platform.machine()}
