@@ -7,7 +7,8 @@
 #   URL=127.0.0.1:8000 scripts/aiperf_cpu.sh    # an already running server (nothing started)
 #
 # AIPerf is a benchmark tool, not a dependency: it gets its own virtual environment ($AIPERF_VENV,
-# created on first use). Synthetic prompts of INPUT_TOKENS tokens (AIPerf's own corpus), OUTPUT_TOKENS
+# created on first use, with AIPerf $AIPERF_VERSION: default 0.13.*, what docs/benchmarks.md's runs
+# used). Synthetic prompts of INPUT_TOKENS tokens (AIPerf's own corpus), OUTPUT_TOKENS
 # requested per answer, greedy, streaming. Results land in $OUT/c<N>/ (AIPerf's export files).
 # AIPerf's scraping of server metrics and GPU telemetry is off: there is no GPU here, and on a small
 # CPU machine the client's own processes take cores from the server it measures.
@@ -34,7 +35,7 @@ PACING=(--request-rate "$RATE" --request-rate-mode constant)
 
 if [[ ! -x "$AIPERF_VENV/bin/aiperf" ]]; then
   python3 -m venv "$AIPERF_VENV"
-  "$AIPERF_VENV/bin/pip" install --quiet aiperf
+  "$AIPERF_VENV/bin/pip" install --quiet "aiperf==${AIPERF_VERSION:-0.13.*}"
 fi
 
 SERVER_PID=
