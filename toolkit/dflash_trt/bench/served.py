@@ -336,9 +336,11 @@ def markdown(result: BenchResult) -> str:
     lines = ["## Served benchmark", "",
              f"Server `{meta.get('url')}` ({meta.get('protocol')}), model `{meta.get('model')}`, "
              f"prompts `{meta.get('prompts')}`, {cfg.get('num_requests')} requests per level, "
-             f"{cfg.get('repeats', 1)} run(s) per level and mode, max_tokens {cfg.get('max_tokens')}, temperature {cfg.get('temperature')}, "
+             f"{cfg.get('repeats', 1)} run(s) per level and mode, "
+             f"max_tokens {cfg.get('max_tokens')}, temperature {cfg.get('temperature')}, "
              f"streaming. Latencies in ms (request latency in s).", "",
-             "| mode | concurrency | repeat | ok | errors (timeouts) | output tok/s | req/s | TTFT p50 "
+             "| mode | concurrency | repeat | ok | errors (timeouts) | output tok/s | req/s "
+             "| TTFT p50 "
              "| TTFT p99 | ITL p50 | ITL p99 | latency p50 | latency p90 | latency p99 "
              "| tokens/response | acceptance length |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
