@@ -15,6 +15,7 @@ from dflash_trt.engines.cost_model import (
     cost_model_for,
     device_identity,
     measure,
+    timed_rounds,
 )
 from dflash_trt.errors import DflashTrtError
 
@@ -49,6 +50,25 @@ def test_measure_times_every_verify_width_and_the_draft(engine):
     assert all(s > 0 for s in model.costs.verify_s) and model.costs.draft_s > 0
     assert model.identity() == device_identity("cpu", "float32")
     assert model.device == "cpu" and model.device_name and model.threads >= 1
+
+
+def test_timed_rounds_time_every_shape_once_per_round_so_drift_spreads_over_all(monkeypatch):
+    """Round-robin, after one untimed call of each: a machine slowing down between rounds slows
+    every shape alike, and each shape's median keeps the ratios between shapes."""
+    from dflash_trt.engines import cost_model
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+
+    def shape(name: str, seconds: float):
+        def run():
+            calls.append(name)
+            clock[0] += seconds * (1 + calls.count(name))  # this machine slows down as it runs
+        return run
+
+    medians = timed_rounds([shape("a", 1.0), shape("b", 2.0)], repeats=3)
+    assert calls == ["a", "b"] * 4  # the warm-up round, then 3 timed rounds
+    assert medians == [4.0, 8.0]  # the middle round of each: b costs 2x a, as it does
 
 
 def test_round_trip_and_reuse_on_the_same_device(engine, tmp_path):

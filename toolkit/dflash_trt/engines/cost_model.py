@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -182,7 +183,8 @@ def cost_model_for(engine, engine_dir: Path | None) -> CostModel:
 
 def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPEATS) -> CostModel:
     """Time the target over 1 .. block_size new tokens after `context_tokens` of context, and the
-    drafter's block pass, on the engine's own device and dtype (medians over `repeats`)."""
+    drafter's block pass, on the engine's own device and dtype, at batch 1 and at each batch size
+    the engine batches (medians over `repeats`, every shape timed once per round: `timed_rounds`)."""
     import torch
 
     from dflash_trt.dflash.generate import draft_block
@@ -195,17 +197,6 @@ def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPE
     ids = torch.arange(context_tokens + block, device=engine.device)[None] * 7 % vocab  # (1, C+B)
     sync = torch.cuda.synchronize if str(engine.device).startswith("cuda") else (lambda: None)
 
-    def median_s(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     with torch.inference_mode():
         cache = target.new_cache()
         _, features = target.forward(ids[:, :context_tokens], cache, True)  # (1, C, k*H)
@@ -217,7 +208,6 @@ def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPE
                 cache.crop(context_tokens)
             return run
 
-        verify_s = tuple(median_s(verify(n)) for n in range(1, block + 1))
         draft_cache = drafter.new_cache()
         start = context_tokens - 2
         draft_block(target, drafter, 0, features[:, :start], draft_cache, start, block,
@@ -228,19 +218,44 @@ def measure(engine, *, context_tokens: int = CONTEXT_TOKENS, repeats: int = REPE
                         block, block - 1, Sampler())
             draft_cache.crop(start)  # a step injects the newly accepted tokens' features
 
-        draft_s = median_s(draft)
-        batches = {n: _measure_batch(engine, n, ids, context_tokens, median_s)
-                   for n in batch_sizes(getattr(engine, "max_batch_size", 1))}
+        runs = {1: [*(verify(n) for n in range(1, block + 1)), draft]}  # widths 1..B, the draft
+        for rows in batch_sizes(getattr(engine, "max_batch_size", 1)):
+            runs[rows] = _batch_runs(engine, rows, ids, context_tokens)
+        seconds = iter(timed_rounds([run for group in runs.values() for run in group], repeats,
+                                    sync))
+    costs = {}
+    for rows in runs:
+        each = [next(seconds) for _ in range(block + 1)]
+        costs[rows] = StepCosts(tuple(each[:block]), each[block])
     kind, name, dtype = device_identity(engine.device, engine.dtype)
-    return CostModel(costs=StepCosts(verify_s, draft_s), device=kind, device_name=name,
+    return CostModel(costs=costs.pop(1), device=kind, device_name=name,
                      dtype=dtype, threads=torch.get_num_threads(),
                      torch_version=torch.__version__, context_tokens=context_tokens,
-                     batches=batches)
+                     batches=costs)
 
 
-def _measure_batch(engine, rows: int, ids, context_tokens: int, median_s) -> StepCosts:
-    """StepCosts of `rows` rows through dflash.batch's caches: each row holds `context_tokens`,
-    verifies 1 .. block_size tokens, and drafts after 2 new context positions."""
+def timed_rounds(runs: Sequence[Callable[[], object]], repeats: int,
+                 sync: Callable[[], None] = lambda: None) -> list[float]:
+    """The median seconds of each run over `repeats` rounds, each round timing every run once in
+    turn after one untimed call of each. A shared machine's speed drifts by 10-30% within a
+    minute; timed one shape after another, the drift would land in the ratios between shapes
+    (a build measured a 1-row forward slower than an 8-row one), which is what the chooser uses."""
+    for run in runs:
+        run()  # warm-up: kernels, caches, pages of the weights
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, mine in zip(runs, times, strict=True):
+            sync()
+            began = time.perf_counter()
+            run()
+            sync()
+            mine.append(time.perf_counter() - began)
+    return [statistics.median(mine) for mine in times]
+
+
+def _batch_runs(engine, rows: int, ids, context_tokens: int) -> list[Callable[[], None]]:
+    """[verify runs of 1 .. block_size new tokens, then the draft run] for `rows` rows through dflash.batch's
+    caches: each row holds `context_tokens`, verifies, and drafts after 2 new context positions."""
     import torch
 
     target, drafter, block = engine.target, engine.drafter, engine.block_size
@@ -270,4 +285,4 @@ def _measure_batch(engine, rows: int, ids, context_tokens: int, median_s) -> Ste
         drafted = hidden[:, 1:]  # (rows, B-1, H)
         target.logits(drafted) if vocab is None else target.logits_rows(drafted, vocab)
 
-    return StepCosts(tuple(median_s(verify(n)) for n in range(1, block + 1)), median_s(draft))
+    return [*(verify(n) for n in range(1, block + 1)), draft]
