@@ -7,7 +7,7 @@ import torch
 from dflash_fixtures import VOCAB, random_prompts, tiny_drafter, tiny_target
 
 from dflash_trt.dflash import generate as gen
-from dflash_trt.dflash.batch import BatchDecoder, Request, choose_width
+from dflash_trt.dflash.batch import BatchDecoder, Request, choose_width, width_chooser
 from dflash_trt.dflash.sampling import Sampler
 from dflash_trt.dflash.target import HFTarget
 
@@ -193,6 +193,22 @@ def test_choose_width_picks_none_when_drafts_never_pass_and_all_when_they_do():
         < choose_width(conf, lambda n, w: 0.1 + 0.05 * n * w)
 
 
+def test_a_step_without_the_drafter_pass_chooses_its_width_without_its_cost():
+    """8 rows, the CPU default's measured costs (ms): verify 92 at width 1, 115 at 2, a drafter
+    pass 25. A draft passing with chance 0.22 pays for width 2 only beside a drafter pass already
+    paid (10.4 tokens in 140 ms against 8 in 117), not in a step of lookup drafts alone (10.4 in
+    115 against 8 in 92)."""
+    def verify_s(rows, width):
+        return {1: 92.0, 2: 115.0}[width]
+
+    def step_s(rows, width):
+        return 25.0 + verify_s(rows, width)
+
+    choose = width_chooser(step_s, verify_s)
+    assert choose([[0.22]] * 8, True) == 2
+    assert choose([[0.22]] * 8, False) == 1
+
+
 def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
     """With `pays` saying no, every step is plain; when it says yes again the drafter gets every
     position's features (its context never skips a step), and the output stays exact."""
@@ -254,8 +270,8 @@ def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, m
     monkeypatch.setattr(batch, "lookup_drafts", lookup)
     seen = []
 
-    def choose(chances):
-        seen.append(chances[0])
+    def choose(chances, drafted):
+        seen.append((chances[0], drafted))
         return 1 + len(chances[0])
 
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
@@ -265,7 +281,9 @@ def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, m
     while row.finish is None:
         steps += decoder.decode()
     assert [t for _, s in steps for t in s.token_ids] == ref
-    lookup_steps = [c for c, (_, s) in zip(seen, steps[1:], strict=True)
+    # the chooser is told whether the drafter ran: on the drafter's steps, not on lookup's
+    assert [d for _, d in seen] == [s.draft_source == "dflash" for _, s in steps[1:]]
+    lookup_steps = [c for (c, _), (_, s) in zip(seen, steps[1:], strict=True)
                     if s.draft_source == "lookup"]
     assert len(lookup_steps) > 10 and lookup_steps[0] == [0.5, 0.5]
     first, second = lookup_steps[-1]

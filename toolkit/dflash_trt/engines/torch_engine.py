@@ -191,12 +191,12 @@ class TorchEngine:
 
         choose = pays = timing = None
         if self.cost_model is not None and self.drafter is not None:  # adaptive
-            from dflash_trt.dflash.batch import choose_width
+            from dflash_trt.dflash.batch import width_chooser
             from dflash_trt.dflash.draft_length import drafting_pays
             from dflash_trt.engines.cost_model import OnlineCosts
 
             costs = OnlineCosts(self.cost_model)
-            choose = partial(choose_width, step_s=costs.step_s)
+            choose = width_chooser(costs.step_s, costs.verify_s)
             pays = partial(drafting_pays, verify_s=costs.verify_s, draft_s=costs.draft_s,
                            max_drafts=self.block_size - 1)
             timing = costs.record
