@@ -38,6 +38,7 @@ if [[ ! -x "$AIPERF_VENV/bin/aiperf" ]]; then
   "$AIPERF_VENV/bin/pip" install --quiet "aiperf==${AIPERF_VERSION:-0.13.*}"
 fi
 
+mkdir -p "$OUT"
 SERVER_PID=
 if [[ -z "${URL:-}" ]]; then
   URL=127.0.0.1:$HTTP_PORT
@@ -52,7 +53,6 @@ if [[ -z "${URL:-}" ]]; then
 fi
 curl -sf "http://$URL/v2/health/ready" > /dev/null || { echo "no server ready at $URL" >&2; exit 1; }
 
-mkdir -p "$OUT"
 # The body Triton's generate extension takes for this model (text_input, max_tokens, stream).
 cat > "$OUT/payload.jinja" <<'EOF'
 {"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens }}, "stream": true, "temperature": 0.0}

@@ -7,7 +7,13 @@ import torch
 from dflash_fixtures import VOCAB, random_prompts, tiny_drafter, tiny_target
 
 from dflash_trt.dflash import generate as gen
-from dflash_trt.dflash.batch import BatchDecoder, Request, choose_width, width_chooser
+from dflash_trt.dflash.batch import (
+    BatchDecoder,
+    Request,
+    choose_counts,
+    choose_width,
+    draft_chooser,
+)
 from dflash_trt.dflash.sampling import Sampler
 from dflash_trt.dflash.target import HFTarget
 
@@ -43,13 +49,22 @@ def run(decoder: BatchDecoder, requests: list[Request], arrive: list[int]) -> li
     return out
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("max_rows", [1, 3, 6])
-def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows):
+def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows, packed, monkeypatch):
+    """Rows in their prompt, rows near their end (fewer drafts left) and rows drafting a whole
+    block share forwards: packed (each row its own tokens) or padded to the widest."""
+    from dflash_trt.dflash.slots import SlotCache
+
     target, drafter, prompts, lengths, refs = setup
+    packs = []
+    monkeypatch.setattr(SlotCache, "packed", lambda self, *a, f=SlotCache.packed: (
+        packs.append(a), f(self, *a))[1])
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=max_rows, max_seq_len=128,
-                           backoff=False, prefill_chunk=8)
+                           backoff=False, prefill_chunk=8, packed=packed)
     requests = [Request(p, n) for p, n in zip(prompts, lengths, strict=True)]
     assert run(decoder, requests, arrive=[0, 0, 2, 3, 3, 7]) == refs
+    assert bool(packs) == (packed and max_rows > 1)
 
 
 class BatchOracle(torch.nn.Module):
@@ -204,9 +219,45 @@ def test_a_step_without_the_drafter_pass_chooses_its_width_without_its_cost():
     def step_s(rows, width):
         return 25.0 + verify_s(rows, width)
 
-    choose = width_chooser(step_s, verify_s)
-    assert choose([[0.22]] * 8, True) == 2
-    assert choose([[0.22]] * 8, False) == 1
+    choose = draft_chooser(step_s, verify_s, packed=False)
+    assert choose([[0.22]] * 8, True) == [1] * 8
+    assert choose([[0.22]] * 8, False) == [0] * 8
+
+
+def test_choose_counts_spends_a_packed_forwards_tokens_on_the_likeliest_drafts():
+    """Packed, a row's drafts cost their own tokens: a sure row verifies all its drafts while the
+    hopeless rows beside it verify none (padded, they would all pay the sure row's width)."""
+    def cost(rows, width):  # seconds of rows * width tokens: 0.1 per forward, 0.01 per token
+        return 0.1 + 0.01 * rows * width
+
+    assert choose_counts([[0.0] * 7] * 4, cost) == [0] * 4
+    assert choose_counts([[1.0] * 7] * 4, cost) == [7] * 4
+    assert choose_counts([[0.05] * 7, [1.0] * 3, [0.05] * 7], cost) == [0, 3, 0]
+    # A row's drafts are taken in order: the third only after the second.
+    assert choose_counts([[0.9, 0.9, 0.9], [0.95, 0.1]], cost) == [3, 1]
+    # One row: dflash.draft_length's choice.
+    from dflash_trt.dflash.draft_length import StepCosts, choose_draft_length
+
+    costs = StepCosts(tuple(0.06 + 0.006 * n for n in range(8)), 0.0)
+    confidence = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05]
+    assert choose_counts([confidence], lambda n, w: costs.verify_s[0] + 0.006 * (w - 1)) \
+        == [choose_draft_length(confidence, costs)]
+
+
+def test_a_packed_chooser_verifies_lookups_a_padded_one_must_drop():
+    """8 rows, this machine's measured 8-row costs (ms): width 1 37.1, width 5 62.9. One row with
+    4 lookup drafts passing with chance 0.8: padded, all 8 rows pay width 5 (8 + 2.4 tokens in
+    62.9 ms against 8 in 37.1) and the chooser verifies none; packed, 12 tokens cost a mean width
+    of 1.5 (about 40.8 ms) and it verifies all 4."""
+    table = [37.1, 44.6, 55.1, 56.5, 62.9]
+
+    def verify_s(rows, width):
+        lo = int(width)
+        return table[lo - 1] + (table[min(lo, 4)] - table[lo - 1]) * (width - lo)
+
+    chances = [[0.8] * 4] + [[]] * 7
+    assert draft_chooser(verify_s, verify_s, packed=False)(chances, False) == [0] * 8
+    assert draft_chooser(verify_s, verify_s, packed=True)(chances, False) == [4] + [0] * 7
 
 
 def test_a_step_that_would_not_pay_runs_no_drafter_and_keeps_the_context(setup):
@@ -272,7 +323,7 @@ def test_lookup_drafts_reach_the_chooser_with_their_measured_acceptance(setup, m
 
     def choose(chances, drafted):
         seen.append((chances[0], drafted))
-        return 1 + len(chances[0])
+        return [len(chances[0])]
 
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
                            backoff=False, prompt_lookup=True, choose=choose)
@@ -302,6 +353,10 @@ def test_the_decoder_times_its_verify_forwards_and_drafter_passes(setup):
     assert [(part, rows, width) for part, rows, width, _ in timed] == [("draft", 3, 0),
                                                                         ("verify", 3, 4)]
     assert all(seconds > 0 for *_, seconds in timed)
+    # Rows verifying 1, 2 and 0 drafts: one packed forward of 6 tokens, a mean width of 2.
+    decoder.choose = lambda chances, drafted: [1, 2, 0]
+    decoder.decode()
+    assert timed[-1][:3] == ("verify", 3, 2.0)
 
 
 def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):

@@ -181,3 +181,17 @@ def test_drafting_pays_only_where_the_expected_gain_beats_the_drafter_pass():
     assert drafting_pays(good, 8, 8, verify, draft, 7)
     assert not drafting_pays(weak, 8, 8, verify, draft, 7)
     assert not drafting_pays(good, 8, 1, verify, draft, 7)  # one drafting row of eight
+
+
+def test_drafting_for_few_rows_pays_packed_where_padded_it_does_not():
+    """8 rows, one drafting, drafts passing with chance 0.9: padded, its drafts widen all 8 rows
+    (8 rows of k + 1 tokens); packed, only its own (a mean width of 1 + k / 8)."""
+    from dflash_trt.dflash.draft_length import drafting_pays
+
+    def verify_s(rows, width):  # 0.03 s a forward plus 0.002 s a token
+        return 0.03 + 0.002 * rows * width
+
+    args = dict(verify_s=verify_s, draft_s=lambda rows: 0.0, max_drafts=7)
+    assert not drafting_pays([0.9] * 7, 8, 1, **args)
+    assert drafting_pays([0.9] * 7, 8, 1, packed=True, **args)
+    assert not drafting_pays([0.0] * 7, 8, 1, packed=True, **args)

@@ -210,3 +210,17 @@ def test_a_batching_cpu_engine_measures_its_costs_off_the_loading_thread(engine_
         finally:
             engine.close()
     assert seen == [("dflash-apart", threads), (threading.current_thread().name, threads)]
+
+
+def test_a_packed_forwards_mean_width_is_priced_between_the_whole_widths():
+    """A packed forward of 6 tokens over 4 rows (mean width 1.5) costs between 4 rows of 1 and 4
+    rows of 2 tokens; widths past the table keep its last value."""
+    from dflash_trt.dflash.draft_length import StepCosts
+
+    stored = CostModel(costs=StepCosts((0.10, 0.12, 0.14), 0.02), device="cpu", device_name="x",
+                       dtype="float32", threads=1, torch_version="t",
+                       batches={4: StepCosts((0.20, 0.30, 0.40), 0.04)})
+    assert stored.verify_s(4, 1.5) == pytest.approx(0.25)
+    assert stored.verify_s(4, 2.25) == pytest.approx(0.325)
+    assert stored.verify_s(4, 3) == 0.40 and stored.verify_s(4, 3.5) == 0.40
+    assert stored.verify_s(2, 1.5) == pytest.approx(0.11 + (0.25 - 0.11) / 3)  # rows 1..4 too

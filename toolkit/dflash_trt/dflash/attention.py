@@ -57,10 +57,21 @@ def rowwise_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                  is_causal=None, **_kwargs):
+                  is_causal=None, packed=None, **_kwargs):
     """(B, heads, T, D) query against (B, kv_heads, S, D) keys, mask (B, 1, T, S) or None ->
-    (B, T, heads, D); without a mask, causal when T > 1 (the keys are then the query's own)."""
+    (B, T, heads, D); without a mask, causal when T > 1 (the keys are then the query's own).
+
+    With `packed` (a dflash.slots.PackedView), the query is (1, heads, T, D), the tokens of n
+    rows side by side, and the keys, values and mask are the padded (n, ...) ones: the query is
+    padded to (n, heads, width, D), attends as a padded forward's would, and comes back packed
+    (1, T, heads, D). Padding queries see their row's slots and are dropped."""
     import torch.nn.functional as F
+
+    if packed is not None:
+        padded = packed.pad(query[0].transpose(0, 1)).transpose(1, 2)  # (n, heads, width, D)
+        out, _ = gqa_attention(module, padded, key, value, attention_mask, dropout, scaling,
+                               is_causal=False)  # (n, width, heads, D)
+        return packed.unpad(out)[None], None
 
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal

@@ -6,14 +6,16 @@ Each request is a row of the batch with its own length in the target's and the d
    chunk's features go straight into the drafter's cache; the last chunk samples the first token.
 2. `decode`: every decoding row gets its drafts (prompt lookup, or the drafter, or none while it
    rests or asks for none); one drafter pass serves all rows (rows that do not draft just absorb
-   their new context); the verify width (1 + drafts, the same for every row of the forward) is
-   chosen for the whole batch (`choose_width`); one target forward verifies every row, padded to
-   that width; each row accepts its own prefix (dflash.generate's acceptance, per-row sampler) and
-   its caches are set to what it accepted.
+   their new context); how many drafts each row verifies is chosen for the whole batch
+   (`choose_counts`); one target forward verifies every row, its tokens packed with the other
+   rows' (dflash.slots.PackedView: a row's drafts cost the forward their own tokens, not a width
+   every row is padded to); each row accepts its own prefix (dflash.generate's acceptance,
+   per-row sampler) and its caches are set to what it accepted.
 
 Lossless per row for the same reasons as dflash.generate: a row's tokens are verified against the
-target's distribution at that row's own positions. Padding never reaches a real token: it sits past
-each row's length and the causal mask stops at the row's own tokens. A batched forward computes
+target's distribution at that row's own positions. Padding (in attention, or in the whole forward
+of a target that cannot pack) never reaches a real token: it sits past each row's length and the
+causal mask stops at the row's own tokens. A batched forward computes
 a row's logits with other matrix shapes than batch 1 does, so floats may differ in the last bits
 (exact in float64; in float32 a flip needs a tie at float32 precision).
 """
@@ -209,28 +211,67 @@ def choose_width(chances: Sequence[Sequence[float]], step_s: Callable[[int, int]
     return best_width
 
 
-def width_chooser(step_s: Callable[[int, int], float],
-                  verify_s: Callable[[int, int], float]) -> Callable[[list[list[float]], bool], int]:
-    """BatchDecoder's `choose` from a cost model: `choose_width` with the drafter pass counted in
-    the step's seconds only when the drafter ran this step. A step that verifies lookup drafts
-    alone pays no drafter pass, and one counted in every width's cost would make a wider verify
-    look cheaper beside a plain one than it is (at 8 rows here: 1.33x the seconds of width 1 for
-    width 3 instead of 1.42x)."""
-    return lambda chances, drafted: choose_width(chances, step_s if drafted else verify_s)
+def choose_counts(chances: Sequence[Sequence[float]],
+                  step_s: Callable[[int, float], float]) -> list[int]:
+    """Drafts per row (row r verifies its first counts[r]) that maximise the batch's expected
+    tokens per second when the rows' tokens are packed into one forward: n rows verifying m
+    drafts in all cost step_s(n, (n + m) / n), the seconds of n rows of that mean width. Each
+    draft adds its chance of being reached and accepted (the product of its row's chances up to
+    it), which never grows along a row, so the best m drafts are the m largest additions, taken
+    in order; with one row it is dflash.draft_length's choice."""
+    n = len(chances)
+    gains = []  # (expected tokens the draft adds, its row), row by row in draft order
+    for r, chance in enumerate(chances):
+        survive = 1.0
+        for c in chance:
+            survive *= c
+            gains.append((survive, r))
+    gains.sort(key=lambda gain: -gain[0])  # stable: a row's equal gains stay in its order
+    best, best_rate, expected = 0, n / step_s(n, 1), float(n)
+    for m, (gain, _) in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / step_s(n, (n + m) / n)
+        if rate > best_rate:
+            best, best_rate = m, rate
+    counts = [0] * n
+    for _, r in gains[:best]:
+        counts[r] += 1
+    return counts
+
+
+def draft_chooser(step_s: Callable[[int, float], float], verify_s: Callable[[int, float], float],
+                  packed: bool) -> Callable[[list[list[float]], bool], list[int]]:
+    """BatchDecoder's `choose` from a cost model (seconds of a forward over `rows` rows of a
+    mean `width` tokens): `choose_counts` for a target that packs, `choose_width` for one that
+    pads every row to the widest. The drafter pass is counted in the step's seconds only when the
+    drafter ran this step: a step that verifies lookup drafts alone pays no drafter pass, and one
+    counted in every width's cost would make a wider verify look cheaper beside a plain one than
+    it is (at 8 rows here: 1.33x the seconds of width 1 for width 3 instead of 1.42x)."""
+    def choose(chances: list[list[float]], drafted: bool) -> list[int]:
+        cost = step_s if drafted else verify_s
+        if packed:
+            return choose_counts(chances, cost)
+        width = choose_width(chances, cost)
+        return [min(width - 1, len(c)) for c in chances]
+    return choose
 
 
 class BatchDecoder:
     """Rows of a batch and their caches; `prefill` and `decode` each advance every row one step.
 
-    choose: (per-row chance of each draft passing, whether the drafter ran this step) -> verify
-    width (width_chooser), or None to verify every draft. A drafter draft's chance is acceptance(its confidence) (the confidence itself without
-    a calibration); a lookup draft's is lookup's acceptance at its position, measured here.
+    choose: (per-row chance of each draft passing, whether the drafter ran this step) -> drafts
+    each row verifies (draft_chooser), or None to verify every draft. A drafter draft's chance
+    is acceptance(its confidence) (the confidence itself without a calibration); a lookup draft's
+    is lookup's acceptance at its position, measured here.
     pays: (the drafter's acceptance per draft position, rows, drafting rows) -> whether the
     drafter pass is worth running this step (dflash.draft_length.drafting_pays), or None to always
     draft. The acceptance per position is measured here, on the drafts this decoder verified.
-    timing: called with ("verify", rows, width, seconds) after each verify forward (its first
-    logits included) and ("draft", rows, 0, seconds) after each drafter pass, so the costs the
-    chooser uses can follow the machine (engines.cost_model.OnlineCosts).
+    timing: called with ("verify", rows, mean width, seconds) after each verify forward (its first
+    logits included; the mean width of a packed forward is its tokens over its rows) and
+    ("draft", rows, 0, seconds) after each drafter pass, so the costs the chooser uses can follow
+    the machine (engines.cost_model.OnlineCosts).
+    packed: verify rows with different numbers of tokens packed (dflash.slots.PackedView) rather
+    than padded to the widest; by default where the target can (HFTarget.packs).
     """
 
     def __init__(self, target, drafter, *, block_size: int, max_rows: int, max_seq_len: int,
@@ -238,13 +279,14 @@ class BatchDecoder:
                  choose: Callable[[list[list[float]], bool], int] | None = None,
                  pays: Callable[[list[float], int, int], bool] | None = None,
                  acceptance: Callable[[float], float] | None = None,
-                 timing: Callable[[str, int, int, float], None] | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 timing: Callable[[str, int, float, float], None] | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, packed: bool | None = None):
         self.target, self.drafter = target, drafter
         self.block_size, self.max_rows = block_size, max_rows
         self.prompt_lookup, self.backoff, self.choose, self.pays = prompt_lookup, backoff, choose, pays
         self.acceptance, self.timing = acceptance, timing
         self.prefill_chunk = prefill_chunk
+        self.packed = getattr(target, "packs", False) if packed is None else packed
         self.draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
         capacity = max_seq_len + block_size  # room for a padded verify past a row's end
         self.kv = target.new_slot_cache(max_rows, capacity)
@@ -393,36 +435,53 @@ class BatchDecoder:
             self._draft_all(wanted, plans)
             if self.timing is not None:
                 self.timing("draft", len(rows), 0, time.perf_counter() - drafted)
-        # 2. The verify width for the whole batch; each row keeps that many leading drafts.
+        # 2. How many drafts each row verifies, chosen for the whole batch.
         if self.choose is not None:
-            width = self.choose([self._chances(*plans[r][2:]) for r in live], bool(wanted))
-            if width > 1 and not wanted and not self.width_gate.bold(len(live), True):
-                width = 1
+            counts = self.choose([self._chances(*plans[r][2:]) for r in live], bool(wanted))
+            if any(counts) and not wanted and not self.width_gate.bold(len(live), True):
+                counts = [0] * len(live)
         else:
-            width = 1 + max(len(plans[r][0]) for r in live)
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
-        kept = {}
-        for r in live:
+            counts = [len(plans[r][0]) for r in live]
+        kept, tokens = {}, [[] for _ in rows]  # rows still in their prompt bring no token
+        for r, count in zip(live, counts, strict=True):
             drafts, q, confidence, source = plans[r]
-            drafts = drafts[:width - 1]
+            drafts = drafts[:count]
             kept[r] = (drafts, None if q is None else q[:len(drafts)], confidence, source)
-            ids[r, :1 + len(drafts)] = torch.tensor([rows[r].token, *drafts])
-        # 3. One forward verifies every row (rows still in their prompt ride along, ignored).
+            tokens[r] = [rows[r].token, *drafts]
+        # 3. One forward verifies every row: packed when rows bring different numbers of tokens,
+        # else padded to one width (rows still in their prompt ride along, ignored).
         starts = list(self.kv.lengths[:len(rows)])
         verified = time.perf_counter()
-        hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
-                                               self.dkv is not None)
+        width = max(len(t) for t in tokens)
+        capture = self.dkv is not None
+        if self.packed and any(len(t) != width for t in tokens):
+            view = self.kv.packed(0, len(rows), [len(t) for t in tokens])
+            ids = torch.tensor([[t for row_tokens in tokens for t in row_tokens]],
+                               device=self.target.device)  # (1, T)
+            hidden, features = self.target.forward(ids, view, capture)
+            hidden = view.pad(hidden[0])  # (n, width, H)
+            features = None if features is None else view.pad(features[0])
+            mean_width = len(view.rows) / len(rows)
+        else:
+            ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
+            for r, row_tokens in enumerate(tokens):
+                ids[r, :len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
+            hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
+                                                   capture)
+            mean_width = width
         # Every row's first logits in one LM-head call; further rows only where drafts pass.
         first = dict(zip(kept, self.target.logits(hidden[list(kept), 0]), strict=True))
         if self.timing is not None:
-            self.timing("verify", len(rows), width, time.perf_counter() - verified)
+            self.timing("verify", len(rows), mean_width, time.perf_counter() - verified)
         out = [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
                for r, plan in kept.items()]
-        tokens, seconds = sum(len(step.token_ids) for _, step in out), time.perf_counter() - began
+        produced = sum(len(step.token_ids) for _, step in out)
+        seconds = time.perf_counter() - began
         if contested:
-            self.drafter_gate.record(len(live), bool(wanted), tokens, seconds, counts=not catch_up)
+            self.drafter_gate.record(len(live), bool(wanted), produced, seconds,
+                                     counts=not catch_up)
         if self.choose is not None and not wanted:
-            self.width_gate.record(len(live), width > 1, tokens, seconds)
+            self.width_gate.record(len(live), width > 1, produced, seconds)
         return out
 
     def _chances(self, confidence: list[float], source: str | None) -> list[float]:

@@ -60,15 +60,18 @@ def expected_tokens(position_rates: Sequence[float], k: int) -> float:
 
 
 def drafting_pays(position_rates: Sequence[float], rows: int, drafting: int,
-                  verify_s: Callable[[int, int], float], draft_s: Callable[[int], float],
-                  max_drafts: int) -> bool:
+                  verify_s: Callable[[int, float], float], draft_s: Callable[[int], float],
+                  max_drafts: int, packed: bool = False) -> bool:
     """Whether running the drafter for `drafting` of a batch's `rows` rows is expected to beat a
-    plain step: the best width's expected tokens per second, with the drafter pass paid, against
-    rows / verify_s(rows, 1). Decided before drafting, from the acceptance per position."""
+    plain step: the best number of drafts' expected tokens per second, with the drafter pass
+    paid, against rows / verify_s(rows, 1). Decided before drafting, from the acceptance per
+    position. k drafts widen the verify to k + 1 tokens in every row or, `packed`
+    (dflash.slots.PackedView), in the drafting rows only: a mean width of 1 + drafting * k / rows."""
     plain = rows / verify_s(rows, 1)
     for k in range(1, max_drafts + 1):
         tokens = rows + drafting * (expected_tokens(position_rates, k) - 1)
-        if tokens / (draft_s(rows) + verify_s(rows, k + 1)) > plain:
+        width = 1 + drafting * k / rows if packed else k + 1
+        if tokens / (draft_s(rows) + verify_s(rows, width)) > plain:
             return True
     return False
 

@@ -10,6 +10,11 @@ verify forward the caller sets each row's length to what it accepted (a per-row 
 
 Active rows are kept contiguous (0 .. n-1) so a batched forward reads views, not gathers: a
 finished row's slot is refilled by moving the last row into it (`move`).
+
+Rows that bring different numbers of new tokens (one verifies 6 drafts, the others none) can run
+packed instead (`PackedView`): their tokens side by side in one sequence, so the linear layers,
+most of a forward's cost, see only real tokens. Attention alone runs padded, through the same
+mask and kernel as a SlotView of the widest row (dflash.attention's `packed` argument).
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ class SlotCache:
         if top > self.capacity:
             raise ValueError(f"slot cache full: {top} positions > capacity {self.capacity}")
         return SlotView(self, lo, hi, width)
+
+    def packed(self, lo: int, hi: int, counts: list[int]) -> PackedView:
+        """Rows lo..hi-1, row lo + i about to receive counts[i] new positions (0 for none)."""
+        view = PackedView(self, lo, hi, counts)
+        if view.top > self.capacity:
+            raise ValueError(f"slot cache full: {view.top} positions > capacity {self.capacity}")
+        return view
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence becomes row dst's (src's slot is free afterwards)."""
@@ -95,3 +107,46 @@ class SlotView:
     def get_mask_sizes(self, query_length: int, _layer: int = 0) -> tuple[int, int]:
         """transformers' mask protocol: (keys attended, offset of the first)."""
         return self.top - self.width + query_length, 0
+
+
+class PackedView(SlotView):
+    """A forward whose rows bring counts[i] new tokens each, packed row after row into one
+    sequence (1, sum(counts)): ids, positions, hidden states and features are packed, the keys
+    and values land in each row's own slots, and attention unpacks its queries to the padded
+    (n, width) layout of a SlotView as wide as the widest row (`pad`) and packs its output back."""
+
+    def __init__(self, cache: SlotCache, lo: int, hi: int, counts: list[int]):
+        super().__init__(cache, lo, hi, max(counts))
+        self.counts = list(counts)
+        rows = [i for i, c in enumerate(counts) for _ in range(c)]
+        cols = [t for c in counts for t in range(c)]
+        self.rows, self.cols = torch.tensor(rows), torch.tensor(cols)  # (T,) each token's place
+        self.slots = torch.tensor(self.starts)[self.rows] + self.cols  # (T,) and its position
+
+    def positions(self, device) -> torch.Tensor:
+        """(1, T) position of each new token."""
+        return self.slots[None].to(device)
+
+    def causal_mask(self, device) -> torch.Tensor:
+        """(n, 1, width, top) bool, the padded layout's mask (attention runs padded)."""
+        slots = torch.arange(self.top, device=device)[None, None]  # (1, 1, top)
+        return (slots <= super().positions(device)[:, :, None])[:, None]
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """(T, ...) -> (n, width, ...), zeros where a row has no token."""
+        out = packed.new_zeros(self.hi - self.lo, self.width, *packed.shape[1:])
+        out[self.rows.to(packed.device), self.cols.to(packed.device)] = packed
+        return out
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """(n, width, ...) -> (T, ...): the real tokens, packed."""
+        return padded[self.rows.to(padded.device), self.cols.to(padded.device)]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write packed k, v (1, nkv, T, hd) into each token's slot; return (n, nkv, top, hd)
+        views as SlotView.write does."""
+        keys, values = self.cache.layer(layer, k)
+        rows, slots = (self.rows + self.lo).to(k.device), self.slots.to(k.device)
+        keys[rows, :, slots] = k[0].transpose(0, 1)  # (T, nkv, hd) at (row, slot)
+        values[rows, :, slots] = v[0].transpose(0, 1)
+        return keys[self.lo:self.hi, :, :self.top], values[self.lo:self.hi, :, :self.top]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_trt.dflash.slots import SlotCache, SlotView
+from dflash_trt.dflash.attention import GQA_NAME
+from dflash_trt.dflash.slots import PackedView, SlotCache, SlotView
 
 
 class HFTarget:
@@ -35,6 +36,12 @@ class HFTarget:
         return keep_output
 
     @property
+    def packs(self) -> bool:
+        """Whether `forward` takes a PackedView: its attention (dflash.attention's gqa_sdpa, the
+        CPU float path) unpacks the queries; other implementations would ignore the layout."""
+        return getattr(self.model.config, "_attn_implementation", None) == GQA_NAME
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
@@ -56,12 +63,17 @@ class HFTarget:
         Features are the chosen layers' outputs (hidden_states[id + 1]) concatenated: (B, T, k*H).
         Positions continue from the cache length, which the caller keeps cropped; with a SlotView
         each row continues from its own length (positions per row, and a mask per row unless all
-        rows start at the same slot).
+        rows start at the same slot). With a PackedView (when `packs`), ids (1, T) are the rows'
+        tokens side by side and the outputs come back packed the same way: (1, T, ...).
         """
         rows = {}
         if isinstance(cache, SlotView):
             rows = {"attention_mask": cache.causal_mask(ids.device),
                     "position_ids": cache.positions(ids.device)}
+        if isinstance(cache, PackedView):
+            if not self.packs:
+                raise ValueError("a packed forward needs the gqa_sdpa attention (HFTarget.packs)")
+            rows["packed"] = cache
         self._captured = {} if capture and self.layer_ids else None
         try:
             out = self.base(input_ids=ids, past_key_values=cache, use_cache=True, **rows)

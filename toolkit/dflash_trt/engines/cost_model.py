@@ -44,14 +44,20 @@ class CostModel:
     def identity(self) -> tuple[str, str, str]:
         return self.device, self.device_name, self.dtype
 
-    def step_s(self, rows: int, width: int) -> float:
+    def step_s(self, rows: int, width: float) -> float:
         """Seconds of a drafter pass plus a verify forward of `width` tokens over `rows` rows."""
         return self.draft_s(rows) + self.verify_s(rows, width)
 
-    def verify_s(self, rows: int, width: int) -> float:
+    def verify_s(self, rows: int, width: float) -> float:
         """A target forward of `width` new tokens in each of `rows` rows: linear between measured
-        batch sizes, proportional above the largest."""
-        return self._at(rows, lambda costs: costs.verify_s[width - 1])
+        batch sizes, proportional above the largest. A fractional width is a packed forward of
+        rows * width tokens (dflash.slots.PackedView): linear between the whole widths around it."""
+        def at_width(costs: StepCosts) -> float:
+            table = costs.verify_s
+            lo = min(max(int(width), 1), len(table))
+            frac = min(max(width - lo, 0.0), 1.0) if lo < len(table) else 0.0
+            return table[lo - 1] + (table[lo] - table[lo - 1]) * frac if frac else table[lo - 1]
+        return self._at(rows, at_width)
 
     def draft_s(self, rows: int) -> float:
         """One drafter block pass over `rows` rows."""
@@ -98,24 +104,25 @@ class OnlineCosts:
     A stored cost model is measured once, on rows of equal length, and a shared machine drifts
     (on this project's CPU, 8 rows of one new token measured 150 ms at profile time and 124 ms
     while serving). Each verify forward and drafter pass the batch times replaces the estimate for
-    its (rows, width) by a moving average (RATE); a width not yet seen is the stored value scaled
-    by what one-token forwards over as many rows measured. A width the stored model makes look
+    its (rows, width) by a moving average (RATE; a packed forward's width is its mean, tokens
+    over rows); a width not yet seen is the stored value scaled by what one-token forwards over
+    as many rows measured. A width the stored model makes look
     cheap gets chosen, measured and corrected; one it makes look dear stays unchosen."""
 
     RATE = 0.2
 
     def __init__(self, model: CostModel):
         self.model = model
-        self.verify: dict[tuple[int, int], float] = {}  # (rows, width) -> seconds
+        self.verify: dict[tuple[int, float], float] = {}  # (rows, width) -> seconds
         self.draft: dict[int, float] = {}  # rows -> seconds
 
-    def record(self, part: str, rows: int, width: int, seconds: float) -> None:
+    def record(self, part: str, rows: int, width: float, seconds: float) -> None:
         """A measured `verify` forward of `width` tokens, or a `draft` pass, over `rows` rows."""
         table, key = (self.verify, (rows, width)) if part == "verify" else (self.draft, rows)
         old = table.get(key)
         table[key] = seconds if old is None else old + self.RATE * (seconds - old)
 
-    def verify_s(self, rows: int, width: int) -> float:
+    def verify_s(self, rows: int, width: float) -> float:
         if (rows, width) in self.verify:
             return self.verify[rows, width]
         scale = self.verify[rows, 1] / self.model.verify_s(rows, 1) if (rows, 1) in self.verify \
@@ -125,7 +132,7 @@ class OnlineCosts:
     def draft_s(self, rows: int) -> float:
         return self.draft.get(rows, self.model.draft_s(rows))
 
-    def step_s(self, rows: int, width: int) -> float:
+    def step_s(self, rows: int, width: float) -> float:
         return self.draft_s(rows) + self.verify_s(rows, width)
 
 

@@ -191,14 +191,14 @@ class TorchEngine:
 
         choose = pays = timing = None
         if self.cost_model is not None and self.drafter is not None:  # adaptive
-            from dflash_trt.dflash.batch import width_chooser
+            from dflash_trt.dflash.batch import draft_chooser
             from dflash_trt.dflash.draft_length import drafting_pays
             from dflash_trt.engines.cost_model import OnlineCosts
 
             costs = OnlineCosts(self.cost_model)
-            choose = width_chooser(costs.step_s, costs.verify_s)
+            choose = draft_chooser(costs.step_s, costs.verify_s, self.target.packs)
             pays = partial(drafting_pays, verify_s=costs.verify_s, draft_s=costs.draft_s,
-                           max_drafts=self.block_size - 1)
+                           max_drafts=self.block_size - 1, packed=self.target.packs)
             timing = costs.record
         decoder = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
