@@ -56,7 +56,7 @@ def main() -> None:
         for start in range(0, len(ids), rows):
             batch = [decoder.add(Request(i, 48, num_draft_tokens=0)) for i in ids[start:start + rows]]
             while any(row.finish is None for row in batch):
-                tokens += sum(len(step.token_ids) for _, step in decoder.prefill() + decoder.decode())
+                tokens += sum(len(step.token_ids) for _, step in decoder.step())
             for row in batch:
                 decoder.remove(row)
         return tokens / (time.perf_counter() - began)

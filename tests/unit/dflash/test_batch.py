@@ -40,7 +40,7 @@ def run(decoder: BatchDecoder, requests: list[Request], arrive: list[int]) -> li
             if len(decoder.rows) < decoder.max_rows:
                 rows[id(decoder.add(requests[i]))] = i
                 waiting.remove(i)
-        for row, s in decoder.prefill() + decoder.decode():
+        for row, s in decoder.step():
             out[rows[id(row)]].extend(s.token_ids)
         for row in [r for r in decoder.rows if r.finish is not None]:
             decoder.remove(row)
@@ -49,11 +49,14 @@ def run(decoder: BatchDecoder, requests: list[Request], arrive: list[int]) -> li
     return out
 
 
+@pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("max_rows", [1, 3, 6])
-def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows, packed, monkeypatch):
+def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows, packed, chunk,
+                                                          monkeypatch):
     """Rows in their prompt, rows near their end (fewer drafts left) and rows drafting a whole
-    block share forwards: packed (each row its own tokens) or padded to the widest."""
+    block share forwards: packed (each row its own tokens, prompt chunks of up to `chunk` tokens
+    in all in the same forward) or padded to the widest (prompts in forwards of their own)."""
     from dflash_trt.dflash.slots import SlotCache
 
     target, drafter, prompts, lengths, refs = setup
@@ -61,10 +64,13 @@ def test_batched_greedy_equals_each_requests_plain_greedy(setup, max_rows, packe
     monkeypatch.setattr(SlotCache, "packed", lambda self, *a, f=SlotCache.packed: (
         packs.append(a), f(self, *a))[1])
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=max_rows, max_seq_len=128,
-                           backoff=False, prefill_chunk=8, packed=packed)
+                           backoff=False, prefill_chunk=chunk, packed=packed)
     requests = [Request(p, n) for p, n in zip(prompts, lengths, strict=True)]
     assert run(decoder, requests, arrive=[0, 0, 2, 3, 3, 7]) == refs
     assert bool(packs) == (packed and max_rows > 1)
+    if packed and max_rows > 1:  # prompt chunks (> 4 tokens) rode in verify forwards (<= 4)
+        assert any(max(a[2]) > 4 and any(1 <= c <= 4 for c in a[2]) for a in packs)
+        assert any(max(a[2]) > 16 for a in packs) == (chunk > 16)
 
 
 class BatchOracle(torch.nn.Module):

@@ -78,32 +78,36 @@ def test_gqa_sdpa_computes_what_sdpa_computes(family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_packed_forward_computes_each_rows_tokens_as_their_own_forward(family):
-    """Rows of different lengths bring 3, 0, 1 and 2 new tokens side by side in one sequence:
-    each row's hidden states and features equal those of its own tokens after its own prompt,
-    each row's cache takes exactly its tokens, and the next forward (padded) continues from them."""
+    """Rows of different lengths bring 3, 0, 1 and 2 new tokens, a prompt chunk of 20 after
+    their prompt and a whole prompt of 18 (wide rows attend on their own), side by side in one
+    sequence: each row's hidden states and features equal those of its own tokens after its own
+    prompt, each row's cache takes exactly its tokens, and the next forward continues them."""
     target = HFTarget(tiny_target(family).double(), [0, 1])
     assert target.packs
-    prompts = random_prompts(4, seed=6, low=3, high=20)
-    new = [[4, 8, 15], [], [16], [23, 42]]
-    slots = target.new_slot_cache(4, 64)
-    for r, p in enumerate(prompts):
+    prompts = [*random_prompts(5, seed=6, low=3, high=20), []]
+    new = [[4, 8, 15], [], [16], [23, 42], list(range(30, 50)), list(range(50, 68))]
+    slots = target.new_slot_cache(6, 64)
+    for r, p in enumerate(prompts[:5]):
         target.forward(torch.tensor([p]), slots.view(r, r + 1, len(p)), False)
         slots.lengths[r] = len(p)
-    view = slots.packed(0, 4, [len(n) for n in new])
+    view = slots.packed(0, 6, [len(n) for n in new])
+    assert view.wide == [4, 5] and view.width == 3
     hidden, features = target.forward(torch.tensor([[t for n in new for t in n]]), view, True)
-    assert hidden.shape[:2] == features.shape[:2] == (1, 6)
-    hidden, features = view.pad(hidden[0]), view.pad(features[0])  # (4, 3, ...)
+    assert hidden.shape[:2] == features.shape[:2] == (1, sum(map(len, new)))
     for r, (p, n) in enumerate(zip(prompts, new, strict=True)):
         if not n:
             continue
         cache = target.new_cache()
-        target.forward(torch.tensor([p]), cache, False)
+        if p:
+            target.forward(torch.tensor([p]), cache, False)
         want_hidden, want_features = target.forward(torch.tensor([n]), cache, True)
-        torch.testing.assert_close(hidden[r, :len(n)], want_hidden[0], rtol=0, atol=1e-12)
-        torch.testing.assert_close(features[r, :len(n)], want_features[0], rtol=0, atol=1e-12)
+        mine = slice(view.offsets[r], view.offsets[r] + len(n))
+        torch.testing.assert_close(hidden[:, mine], want_hidden, rtol=0, atol=1e-12)
+        torch.testing.assert_close(features[:, mine], want_features, rtol=0, atol=1e-12)
     for r, n in enumerate(new):
         slots.lengths[r] += len(n)
-    after = target.forward(torch.tensor([[7], [8], [9], [10]]), slots.view(0, 4, 1), False)[0]
+    after = target.forward(torch.tensor([[7 + r] for r in range(6)]), slots.view(0, 6, 1),
+                           False)[0]
     for r, (p, n) in enumerate(zip(prompts, new, strict=True)):
         torch.testing.assert_close(after[r], reference(target, p + n, [7 + r]), rtol=0,
                                    atol=1e-12)

@@ -62,16 +62,31 @@ def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     (B, T, heads, D); without a mask, causal when T > 1 (the keys are then the query's own).
 
     With `packed` (a dflash.slots.PackedView), the query is (1, heads, T, D), the tokens of n
-    rows side by side, and the keys, values and mask are the padded (n, ...) ones: the query is
-    padded to (n, heads, width, D), attends as a padded forward's would, and comes back packed
-    (1, T, heads, D). Padding queries see their row's slots and are dropped."""
+    rows side by side, and the keys, values and mask are the padded (n, ...) ones: the rows of a
+    few tokens attend padded to the widest of them, as a padded forward's would (padding queries
+    see their row's slots and are dropped), each wide row (a prompt chunk) on its own against
+    its own slots; the output comes back packed (1, T, heads, D)."""
+    import torch
     import torch.nn.functional as F
 
     if packed is not None:
-        padded = packed.pad(query[0].transpose(0, 1)).transpose(1, 2)  # (n, heads, width, D)
-        out, _ = gqa_attention(module, padded, key, value, attention_mask, dropout, scaling,
+        q = query[0].transpose(0, 1)  # (T, heads, D)
+        out = q.new_empty(q.shape)
+        padded = packed.pad(q).transpose(1, 2)  # (n, heads, width, D)
+        few, _ = gqa_attention(module, padded, key, value, attention_mask, dropout, scaling,
                                is_causal=False)  # (n, width, heads, D)
-        return packed.unpad(out)[None], None
+        packed.unpad(few, out)
+        for i in packed.wide:
+            lo, count, start = packed.offsets[i], packed.counts[i], packed.starts[i]
+            slots = torch.arange(start + count, device=q.device)  # query t sees <= start + t
+            mask = None if start == 0 else \
+                (slots[None] <= start + torch.arange(count, device=q.device)[:, None])[None, None]
+            own, _ = gqa_attention(module, query[:, :, lo:lo + count],
+                                   key[i:i + 1, :, :start + count],
+                                   value[i:i + 1, :, :start + count], mask, dropout, scaling,
+                                   is_causal=True)  # (1, count, heads, D)
+            out[lo:lo + count] = own[0]
+        return out[None], None
 
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal

@@ -325,9 +325,22 @@ class BatchDecoder:
             self.rows[i] = self.rows[last]
         self.rows.pop()
 
+    def step(self, each: Callable[[Row, Step], None] | None = None) -> list[tuple[Row, Step]]:
+        """One step of every row: its prompt's next chunk, or a decoding step; `each(row, step)`
+        is called with every output as soon as it exists. Packed, prompt chunks ride in the
+        verify forward (chunked prefill: a joining request costs the batch no forward of its
+        own); otherwise each row in its prompt runs a forward of its own first (`prefill`)."""
+        out = [] if self.packed else self.prefill(each)
+        for row_step in self.decode():
+            out.append(row_step)
+            if each is not None:
+                each(*row_step)
+        return out
+
     @torch.inference_mode()
     def prefill(self, each: Callable[[Row, Step], None] | None = None) -> list[tuple[Row, Step]]:
-        """One prompt chunk for every row still in its prompt; the first token of those done.
+        """One prompt chunk for every row still in its prompt, each in a forward of its own; the
+        first token of those done.
 
         `each(row, step)` is called with a row's first token as soon as it is sampled, before
         the next row's prefill (so a stream's first token does not wait for its neighbours')."""
@@ -340,26 +353,46 @@ class BatchDecoder:
             ids = torch.tensor([chunk], dtype=torch.long, device=self.target.device)
             hidden, features = self.target.forward(ids, self.kv.view(i, i + 1, len(chunk)),
                                                    self.dkv is not None)
-            self.kv.lengths[i] += len(chunk)
-            row.prefilled += len(chunk)
-            if self.dkv is not None:  # the prompt's features go into the drafter's cache now
-                self.feature_dim, self.feature_dtype = features.shape[-1], features.dtype
-                self.drafter.forward_rows(None, features, [len(chunk)],
-                                          self.dkv.view(i, i + 1, len(chunk)))
-                self.dkv.lengths[i] += len(chunk)
-            if row.prefilled < len(prompt):
-                continue
-            req = row.request
-            logits = without(self.target.logits(hidden[:, -1]), banned_next(prompt, req.bad_words))
-            row.token = int(req.sampler.sample(logits)[0])
-            row.history.append(row.token)
-            row.generated = 1
-            row.finish = "eos" if row.token in row.stops else \
-                "length" if req.max_new_tokens <= 1 else None
-            out.append((row, Step([row.token], 0, 0, row.finish)))
-            if each is not None:
-                each(*out[-1])
+            step = self._prompted(i, len(chunk), hidden[:, -1], features)
+            if step is not None:
+                out.append((row, step))
+                if each is not None:
+                    each(row, step)
         return out
+
+    def _chunks(self) -> dict[int, list[int]]:
+        """The next prompt chunk of rows still in their prompt, PREFILL_CHUNK tokens in all (in
+        row order), for a packed step."""
+        chunks, budget = {}, self.prefill_chunk
+        for i, row in enumerate(self.rows):
+            if row.token is None and row.finish is None and budget > 0:
+                prompt = row.request.prompt_ids
+                chunks[i] = list(prompt[row.prefilled:row.prefilled + budget])
+                budget -= len(chunks[i])
+        return chunks
+
+    def _prompted(self, i: int, count: int, last: torch.Tensor,
+                  features: torch.Tensor | None) -> Step | None:
+        """Row i's forward took `count` more prompt tokens (their features (1, count, k*H) go
+        into the drafter's cache now); when the prompt is done, its first token from `last`
+        (1, H), the final hidden state of the prompt's last token."""
+        row = self.rows[i]
+        self.kv.lengths[i] += count
+        row.prefilled += count
+        if self.dkv is not None:
+            self.feature_dim, self.feature_dtype = features.shape[-1], features.dtype
+            self.drafter.forward_rows(None, features, [count], self.dkv.view(i, i + 1, count))
+            self.dkv.lengths[i] += count
+        prompt, req = row.request.prompt_ids, row.request
+        if row.prefilled < len(prompt):
+            return None
+        logits = without(self.target.logits(last), banned_next(prompt, req.bad_words))
+        row.token = int(req.sampler.sample(logits)[0])
+        row.history.append(row.token)
+        row.generated = 1
+        row.finish = "eos" if row.token in row.stops else \
+            "length" if req.max_new_tokens <= 1 else None
+        return Step([row.token], 0, 0, row.finish)
 
     def _drafts(self, row: Row) -> tuple[list[int], object, str | None, list[float], bool]:
         """(drafts, q, source, confidence, wants the drafter) for a decoding row."""
@@ -408,11 +441,13 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def decode(self) -> list[tuple[Row, Step]]:
-        """One verify forward for every decoding row."""
+        """One verify forward for every decoding row (packed: with the next prompt chunk of rows
+        still in their prompt, whose first tokens come out when their prompt is done)."""
         began = time.perf_counter()
         rows = self.rows
         live = [r for r, row in enumerate(rows) if row.decoding]
-        if not live:
+        chunks = self._chunks() if self.packed else {}
+        if not live and not chunks:
             return []
         # 1. Drafts: lookup where it matches, else the drafter (one pass for all), else none.
         plans: list = [None] * len(rows)  # (drafts, q, confidence, source) per row
@@ -436,13 +471,13 @@ class BatchDecoder:
             if self.timing is not None:
                 self.timing("draft", len(rows), 0, time.perf_counter() - drafted)
         # 2. How many drafts each row verifies, chosen for the whole batch.
-        if self.choose is not None:
+        if self.choose is not None and live:
             counts = self.choose([self._chances(*plans[r][2:]) for r in live], bool(wanted))
             if any(counts) and not wanted and not self.width_gate.bold(len(live), True):
                 counts = [0] * len(live)
         else:
             counts = [len(plans[r][0]) for r in live]
-        kept, tokens = {}, [[] for _ in rows]  # rows still in their prompt bring no token
+        kept, tokens = {}, [chunks.get(r, []) for r in range(len(rows))]
         for r, count in zip(live, counts, strict=True):
             drafts, q, confidence, source = plans[r]
             drafts = drafts[:count]
@@ -458,29 +493,41 @@ class BatchDecoder:
             view = self.kv.packed(0, len(rows), [len(t) for t in tokens])
             ids = torch.tensor([[t for row_tokens in tokens for t in row_tokens]],
                                device=self.target.device)  # (1, T)
-            hidden, features = self.target.forward(ids, view, capture)
-            hidden = view.pad(hidden[0])  # (n, width, H)
-            features = None if features is None else view.pad(features[0])
-            mean_width = len(view.rows) / len(rows)
+            hidden, features = self.target.forward(ids, view, capture)  # (1, T, ...)
+
+            def part(x, r):  # row r's tokens: (1, len(tokens[r]), ...)
+                return x[:, view.offsets[r]:view.offsets[r] + len(tokens[r])]
         else:
             ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
             for r, row_tokens in enumerate(tokens):
                 ids[r, :len(row_tokens)] = torch.tensor(row_tokens, dtype=torch.long)
             hidden, features = self.target.forward(ids, self.kv.view(0, len(rows), width),
-                                                   capture)
-            mean_width = width
+                                                   capture)  # (n, width, ...)
+
+            def part(x, r):
+                return x[r:r + 1, :len(tokens[r])]
         # Every row's first logits in one LM-head call; further rows only where drafts pass.
-        first = dict(zip(kept, self.target.logits(hidden[list(kept), 0]), strict=True))
-        if self.timing is not None:
-            self.timing("verify", len(rows), mean_width, time.perf_counter() - verified)
-        out = [(rows[r], self._accept(r, starts[r], hidden, features, first[r], *plan))
-               for r, plan in kept.items()]
+        firsts = self.target.logits(torch.cat([part(hidden, r)[:, 0] for r in kept])) \
+            if kept else []
+        if self.timing is not None and not chunks:
+            self.timing("verify", len(rows), sum(map(len, tokens)) / len(rows),
+                        time.perf_counter() - verified)
+        out = [(rows[r], self._accept(r, starts[r], part(hidden, r),
+                                      None if features is None else part(features, r), first,
+                                      *plan))
+               for (r, plan), first in zip(kept.items(), firsts, strict=True)]
         produced = sum(len(step.token_ids) for _, step in out)
         seconds = time.perf_counter() - began
+        for r, chunk in chunks.items():
+            step = self._prompted(r, len(chunk), part(hidden, r)[:, -1],
+                                  None if features is None else part(features, r))
+            if step is not None:
+                out.append((rows[r], step))
+        # A step that also took prompt chunks says nothing of decoding's speed: not counted.
         if contested:
             self.drafter_gate.record(len(live), bool(wanted), produced, seconds,
-                                     counts=not catch_up)
-        if self.choose is not None and not wanted:
+                                     counts=not catch_up and not chunks)
+        if self.choose is not None and live and not wanted and not chunks:
             self.width_gate.record(len(live), width > 1, produced, seconds)
         return out
 
@@ -491,9 +538,10 @@ class BatchDecoder:
         return confidence  # the drafter's raw confidence, or lookup's measured rates
 
     def _accept(self, r, start, hidden, features, first, drafts, q, confidence, source) -> Step:
+        """Row r's verify outcome from its own hidden states and features (1, 1 + drafts, ...)."""
         row, req = self.rows[r], self.rows[r].request
         bad = req.bad_words
-        logits = LazyLogits(self.target, hidden[r:r + 1, :len(drafts) + 1], lambda i, d=drafts: (
+        logits = LazyLogits(self.target, hidden, lambda i, d=drafts: (
             banned_next(row.history + d[:i], bad) if bad else []), first)
         if req.sampler.greedy:
             n, bonus = accept_greedy(logits, drafts)
@@ -508,7 +556,7 @@ class BatchDecoder:
                 row.misses, row.resting, row.rest = 0, row.rest, min(2 * row.rest, BACKOFF_MAX)
         self.kv.lengths[r] = start + n + 1  # token, d1..dn
         if features is not None:
-            row.context.append(features[r:r + 1, :n + 1])
+            row.context.append(features[:, :n + 1])
         row.token = bonus
         hit = next((i for i, t in enumerate(new_tokens) if t in row.stops), None)
         if hit is not None:

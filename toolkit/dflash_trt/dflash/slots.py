@@ -111,36 +111,51 @@ class SlotView:
 
 class PackedView(SlotView):
     """A forward whose rows bring counts[i] new tokens each, packed row after row into one
-    sequence (1, sum(counts)): ids, positions, hidden states and features are packed, the keys
-    and values land in each row's own slots, and attention unpacks its queries to the padded
-    (n, width) layout of a SlotView as wide as the widest row (`pad`) and packs its output back."""
+    sequence (1, sum(counts)): ids, positions, hidden states and features are packed (row i's
+    tokens at offsets[i] .. offsets[i] + counts[i]), and the keys and values land in each row's
+    own slots. Attention (dflash.attention's `packed`) runs the rows of at most WIDE tokens (a
+    verify block) padded to the widest of them (`width`, `causal_mask`), and each wider row (a
+    prompt chunk) on its own, so a chunk of 500 tokens does not pad its neighbours to 500."""
+
+    WIDE = 16
 
     def __init__(self, cache: SlotCache, lo: int, hi: int, counts: list[int]):
-        super().__init__(cache, lo, hi, max(counts))
+        super().__init__(cache, lo, hi, max([c for c in counts if c <= self.WIDE] or [1]))
         self.counts = list(counts)
+        self.top = max(self.top, *(s + c for s, c in zip(self.starts, counts, strict=True)))
+        self.offsets = [sum(counts[:i]) for i in range(len(counts))]
+        self.wide = [i for i, c in enumerate(counts) if c > self.WIDE]
         rows = [i for i, c in enumerate(counts) for _ in range(c)]
         cols = [t for c in counts for t in range(c)]
         self.rows, self.cols = torch.tensor(rows), torch.tensor(cols)  # (T,) each token's place
         self.slots = torch.tensor(self.starts)[self.rows] + self.cols  # (T,) and its position
+        # the tokens of the padded pass: every token of the rows that are not wide
+        self.narrow = torch.tensor([t for t, r in enumerate(rows) if counts[r] <= self.WIDE],
+                                   dtype=torch.long)
 
     def positions(self, device) -> torch.Tensor:
         """(1, T) position of each new token."""
         return self.slots[None].to(device)
 
     def causal_mask(self, device) -> torch.Tensor:
-        """(n, 1, width, top) bool, the padded layout's mask (attention runs padded)."""
+        """(n, 1, width, top) bool: the padded pass's mask, as a SlotView of `width`'s."""
         slots = torch.arange(self.top, device=device)[None, None]  # (1, 1, top)
         return (slots <= super().positions(device)[:, :, None])[:, None]
 
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
-        """(T, ...) -> (n, width, ...), zeros where a row has no token."""
+        """(T, ...) -> (n, width, ...): the narrow rows' tokens in the padded pass's layout."""
         out = packed.new_zeros(self.hi - self.lo, self.width, *packed.shape[1:])
-        out[self.rows.to(packed.device), self.cols.to(packed.device)] = packed
+        narrow = self.narrow.to(packed.device)
+        out[self.rows[self.narrow].to(packed.device), self.cols[self.narrow].to(packed.device)] \
+            = packed[narrow]
         return out
 
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """(n, width, ...) -> (T, ...): the real tokens, packed."""
-        return padded[self.rows.to(padded.device), self.cols.to(padded.device)]
+    def unpad(self, padded: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """Copy the narrow rows' tokens from (n, width, ...) into their places in (T, ...)."""
+        narrow = self.narrow.to(padded.device)
+        into[narrow] = padded[self.rows[self.narrow].to(padded.device),
+                              self.cols[self.narrow].to(padded.device)]
+        return into
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write packed k, v (1, nkv, T, hd) into each token's slot; return (n, nkv, top, hd)

@@ -118,9 +118,7 @@ class Scheduler:
             self._admit()
             try:
                 with self.lock:
-                    self.decoder.prefill(each=self._publish_one)
-                    for row, step in self.decoder.decode():
-                        self._publish_one(row, step)
+                    self.decoder.step(each=self._publish_one)
             except Exception as exc:  # a failed forward fails its batch, not the server
                 for row in list(self.decoder.rows):
                     self._tickets.pop(id(row)).put(exc)
