@@ -5,8 +5,13 @@
 
 Each mode sends --requests requests (the prompt set cycled, chat template) from --concurrency
 threads through the engine's `stream`, as Triton's worker threads do; `plain` asks for
-num_draft_tokens=0. Prints output tokens/s per mode, and for the decode steps with every row
-busy: how many ran the drafter, their mean milliseconds and tokens, and the same for the others.
+num_draft_tokens=0; `dflash-padded` and `plain-padded` run the batch as before packed forwards
+(every row padded to the widest, each prompt in a forward of its own: BatchDecoder(packed=False));
+`dflash-separate` and `plain-separate` pack verify forwards but run each prompt in a forward of
+its own (fuse_prompts=False).
+Every run starts a fresh batch (its gates and online costs learn anew). Prints output tokens/s
+per mode, and for the decode steps with every row busy: how many ran the drafter, their mean
+milliseconds and tokens, and the same for the others.
 It separates the engine from the server and its client (`dflash-trt bench`, AIPerf).
 """
 
@@ -51,8 +56,12 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             steps.clear()
+            engine.close()  # a fresh scheduler and decoder for every run
+            decoder = engine._batch().decoder
+            decoder.packed = not mode.endswith("-padded")
+            decoder.fuse_prompts = decoder.packed and not mode.endswith("-separate")
             tokens = run(engine, ids, args.concurrency, args.max_tokens,
-                         0 if mode == "plain" else None)
+                         0 if mode.startswith("plain") else None)
             full = [s for s in steps if s[0] == args.concurrency]
             print(f"{mode}: {tokens[0] / tokens[1]:.1f} tok/s ({tokens[0]} in {tokens[1]:.1f} s); "
                   f"steps with {args.concurrency} rows: drafter {_mean(full, True)}; "

@@ -459,3 +459,26 @@ def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
         gate.record(1, False, 10, 1.0)
     taken = [gate.bold(1, True) for _ in range(PROBE_EVERY + Gate.PROBE_STEPS + 1)]
     assert taken == [False] * PROBE_EVERY + [True] * Gate.PROBE_STEPS + [False]  # at most
+
+
+def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
+    """Gate.wins: the bold way only where it measured faster, at this many rows or at the fewest
+    measured rows above; unmeasured, plain. Asking neither explores, probes nor counts a step."""
+    from dflash_trt.dflash.batch import Gate
+
+    gate = Gate()
+    assert not gate.wins(3)  # nothing measured
+    for _ in range(2):  # the first of each way does not count
+        gate.record(4, True, 12, 1.0)
+        gate.record(4, False, 8, 1.0)
+        gate.record(8, True, 9, 1.0)
+        gate.record(8, False, 10, 1.0)
+    assert gate.wins(4) and gate.wins(3)  # 3 rows: unmeasured, so as measured at 4
+    assert not gate.wins(8) and not gate.wins(7)
+    before = (gate.plain_steps, gate.bold_steps, gate.wait, gate.probing)
+    for _ in range(100):
+        gate.wins(7)
+    assert (gate.plain_steps, gate.bold_steps, gate.wait, gate.probing) == before
+    gate.record(2, True, 1, 1.0)
+    gate.record(2, False, 10, 1.0)
+    assert not gate.wins(4)  # it lost at fewer rows

@@ -1,9 +1,11 @@
 """Batched DFlash decoding: many requests, one drafter pass and one target forward per step.
 
 Each request is a row of the batch with its own length in the target's and the drafter's caches
-(dflash.slots). A step:
-1. `prefill`: each row still in its prompt runs one chunk of it (batch 1, into its own slots); the
-   chunk's features go straight into the drafter's cache; the last chunk samples the first token.
+(dflash.slots). A step (`step`):
+1. Prompts: each row still in its prompt takes its next chunk; the chunk's features go straight
+   into the drafter's cache; the last chunk samples the first token. Where the target packs
+   (HFTarget.packs), the chunks ride in step 2's forward (chunked prefill, PREFILL_CHUNK tokens in
+   all per step); otherwise each row runs its chunk in a forward of its own first (`prefill`).
 2. `decode`: every decoding row gets its drafts (prompt lookup, or the drafter, or none while it
    rests or asks for none); one drafter pass serves all rows (rows that do not draft just absorb
    their new context); how many drafts each row verifies is chosen for the whole batch
@@ -42,7 +44,9 @@ from dflash_trt.dflash.generate import (
 from dflash_trt.dflash.lookup import lookup_drafts
 from dflash_trt.dflash.sampling import Sampler, banned_next, without
 
-PREFILL_CHUNK = 512  # prompt tokens per row per step: a long prompt does not stall the batch
+# Prompt tokens per step (in all when chunks ride in the verify forward, per row otherwise): a long
+# prompt does not stall the batch.
+PREFILL_CHUNK = 512
 # The measured acceptance per position only changes while the drafter drafts: after PROBE_EVERY
 # steps in a row that skipped it, one step drafts anyway (Gate), and older outcomes weigh less
 # (each verified row scales its source's counts by FORGET), so the estimate follows the traffic.
@@ -172,6 +176,17 @@ class Gate:
                 return True
         return False
 
+    def wins(self, rows: int) -> bool:
+        """Whether the bold way measured more tokens/s than the plain one at this many rows or,
+        unmeasured here, at the fewest rows above where both are measured (more rows favour it
+        less), and lost at no fewer. Consulted, not counted: for a step whose seconds say nothing
+        of either way (it also takes prompt chunks), which must neither explore nor probe."""
+        for n in sorted({n for n, _ in self.samples if n >= rows}):
+            bold, plain = self.rate(n, True), self.rate(n, False)
+            if bold is not None and plain is not None:
+                return bold > plain and not self.loses(rows)
+        return False
+
     def bold(self, rows: int, predicted: bool) -> bool:
         """Whether this step takes the bold way (counted as taken)."""
         choice = predicted and not self.loses(rows)
@@ -287,6 +302,7 @@ class BatchDecoder:
         self.acceptance, self.timing = acceptance, timing
         self.prefill_chunk = prefill_chunk
         self.packed = getattr(target, "packs", False) if packed is None else packed
+        self.fuse_prompts = self.packed  # prompt chunks ride in the verify forward (step 1)
         self.draft_len = 0 if drafter is None or block_size <= 1 else block_size - 1
         capacity = max_seq_len + block_size  # room for a padded verify past a row's end
         self.kv = target.new_slot_cache(max_rows, capacity)
@@ -330,7 +346,7 @@ class BatchDecoder:
         is called with every output as soon as it exists. Packed, prompt chunks ride in the
         verify forward (chunked prefill: a joining request costs the batch no forward of its
         own); otherwise each row in its prompt runs a forward of its own first (`prefill`)."""
-        out = [] if self.packed else self.prefill(each)
+        out = [] if self.fuse_prompts else self.prefill(each)
         for row_step in self.decode():
             out.append(row_step)
             if each is not None:
@@ -446,7 +462,7 @@ class BatchDecoder:
         began = time.perf_counter()
         rows = self.rows
         live = [r for r, row in enumerate(rows) if row.decoding]
-        chunks = self._chunks() if self.packed else {}
+        chunks = self._chunks() if self.fuse_prompts else {}
         if not live and not chunks:
             return []
         # 1. Drafts: lookup where it matches, else the drafter (one pass for all), else none.
@@ -457,9 +473,12 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        contested = bool(wanted) and self.pays is not None  # a step the drafter gate decides
-        if contested and not self.drafter_gate.bold(
-                len(live), self.pays(self.position_rates(), len(live), len(wanted))):
+        # A step the drafter gate decides; one that also takes prompt chunks only asks what it
+        # measured (Gate.wins): its seconds are the prompt's, so it can test neither way.
+        contested = bool(wanted) and self.pays is not None
+        if contested and not (
+                self.drafter_gate.wins(len(live)) if chunks else self.drafter_gate.bold(
+                    len(live), self.pays(self.position_rates(), len(live), len(wanted)))):
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
             wanted, self.drafter_skipped = [], True
@@ -473,7 +492,8 @@ class BatchDecoder:
         # 2. How many drafts each row verifies, chosen for the whole batch.
         if self.choose is not None and live:
             counts = self.choose([self._chances(*plans[r][2:]) for r in live], bool(wanted))
-            if any(counts) and not wanted and not self.width_gate.bold(len(live), True):
+            if any(counts) and not wanted and not (self.width_gate.wins(len(live)) if chunks
+                                                   else self.width_gate.bold(len(live), True)):
                 counts = [0] * len(live)
         else:
             counts = [len(plans[r][0]) for r in live]
