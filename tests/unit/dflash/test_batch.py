@@ -7,13 +7,8 @@ import torch
 from dflash_fixtures import VOCAB, random_prompts, tiny_drafter, tiny_target
 
 from dflash_trt.dflash import generate as gen
-from dflash_trt.dflash.batch import (
-    BatchDecoder,
-    Request,
-    choose_counts,
-    choose_width,
-    draft_chooser,
-)
+from dflash_trt.dflash.batch import BatchDecoder, Request
+from dflash_trt.dflash.policy import choose_counts, choose_width, draft_chooser
 from dflash_trt.dflash.sampling import Sampler
 from dflash_trt.dflash.target import HFTarget
 
@@ -295,7 +290,7 @@ def test_a_drafter_that_never_pays_is_still_probed(setup):
     recover when the traffic changes; a probe that still does not pay doubles the wait. A probe
     lasts until one of its steps counts: the first catches up on the skipped steps' context, and
     the drafting way's first step sets up kernels (Gate)."""
-    from dflash_trt.dflash.batch import PROBE_EVERY
+    from dflash_trt.dflash.policy import PROBE_EVERY
 
     target, drafter, prompts, _, _ = setup
     decoder = BatchDecoder(target, drafter, block_size=4, max_rows=1, max_seq_len=128,
@@ -369,7 +364,7 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
     """When the steps that ran the drafter measured fewer tokens per second than those that did
     not, at this many rows, the drafter rests (probes aside) although `pays` says yes; measured
     the other way round, it drafts. The output is plain greedy either way."""
-    from dflash_trt.dflash.batch import PROBE_EVERY
+    from dflash_trt.dflash.policy import PROBE_EVERY
 
     target, drafter, prompts, _, _ = setup
     ref = gen.generate(HFTarget(target.model), None, prompts[2], max_new_tokens=30,
@@ -395,7 +390,7 @@ def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):
 
 
 def test_the_gate_probes_the_way_it_does_not_take_and_trusts_measurements():
-    from dflash_trt.dflash.batch import PROBE_EVERY, Gate
+    from dflash_trt.dflash.policy import PROBE_EVERY, Gate
 
     gate = Gate()  # predicted never to pay: bold only at probes, each wait twice the last
     taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(2, False)]
@@ -428,7 +423,7 @@ def test_the_gate_judges_a_way_by_its_throughput_not_its_typical_step():
     """A weak drafter: five of eight steps accept nothing (1 token in 30 ms, slower than plain
     decoding's 1 in 20 ms), three accept five drafts (6 tokens). The median step loses; the
     throughput (23 tokens in 0.24 s, 96 tokens/s against 50) wins, and the gate drafts."""
-    from dflash_trt.dflash.batch import Gate
+    from dflash_trt.dflash.policy import Gate
 
     gate = Gate()
     for _ in range(4):
@@ -441,7 +436,7 @@ def test_the_gate_judges_a_way_by_its_throughput_not_its_typical_step():
 
 
 def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
-    from dflash_trt.dflash.batch import PROBE_EVERY, Gate
+    from dflash_trt.dflash.policy import PROBE_EVERY, Gate
 
     gate = Gate()
     for _ in range(2):  # both ways measured (the first of each way does not count), bold slower
@@ -464,7 +459,7 @@ def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
 def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
     """Gate.wins: the bold way only where it measured faster, at this many rows or at the fewest
     measured rows above; unmeasured, plain. Asking neither explores, probes nor counts a step."""
-    from dflash_trt.dflash.batch import Gate
+    from dflash_trt.dflash.policy import Gate
 
     gate = Gate()
     assert not gate.wins(3)  # nothing measured

@@ -191,8 +191,8 @@ class TorchEngine:
 
         choose = pays = timing = None
         if self.cost_model is not None and self.drafter is not None:  # adaptive
-            from dflash_trt.dflash.batch import draft_chooser
             from dflash_trt.dflash.draft_length import drafting_pays
+            from dflash_trt.dflash.policy import draft_chooser
             from dflash_trt.engines.cost_model import OnlineCosts
 
             costs = OnlineCosts(self.cost_model)
