@@ -477,3 +477,25 @@ def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
     gate.record(2, True, 1, 1.0)
     gate.record(2, False, 10, 1.0)
     assert not gate.wins(4)  # it lost at fewer rows
+
+
+def test_what_a_row_count_measured_itself_outweighs_a_loss_at_fewer_rows():
+    """A loss at 3 rows (a count passed through while requests join) vetoes 4 rows only until
+    both ways have Gate.MEASURED counted steps at 4 rows: then 4 rows' own rates decide."""
+    from dflash_trt.dflash.policy import Gate
+
+    gate = Gate()
+    for _ in range(2):  # the first of each way does not count
+        gate.record(3, True, 1, 1.0)
+        gate.record(3, False, 10, 1.0)
+    for _ in range(Gate.MEASURED - 1):
+        gate.record(4, True, 20, 1.0)
+        gate.record(4, False, 10, 1.0)
+    assert gate.loses(4) and not gate.bold(4, True)  # not measured enough at 4: 3 decides
+    gate.record(4, True, 20, 1.0)
+    gate.record(4, False, 10, 1.0)
+    assert not gate.loses(4) and gate.wins(4)
+    assert gate.loses(5)  # 5 rows, unmeasured: the loss at 3 still stands
+    for _ in range(Gate.MEASURED + 2):
+        gate.record(4, True, 1, 1.0)  # the bold way now slower at 4 rows too
+    assert gate.loses(4)

@@ -55,11 +55,16 @@ class Gate:
     drafter pass in a served process took 139 ms, later ones 6-12), and a step the caller marks
     as not representative (the drafter's first pass after the gate skipped it, which absorbs the
     context of every skipped step at once). A probe takes the bold way again until one of its
-    steps counts, PROBE_STEPS at most. Drafting pays less the more rows share a forward (each
-    row's drafts widen the whole verify), so a bold way measured slower at some row count is
-    taken to lose at every larger one too."""
+    steps counts, PROBE_STEPS at most. Drafting tends to pay less the more rows share a forward,
+    so a bold way measured slower at some row count is taken to lose at every larger one too,
+    until both ways have MEASURED counted steps at the larger count itself: then what it measured
+    there decides. (A row count passed through while requests join or leave, 3 of a steady 4,
+    gathers a few noisy steps and would otherwise veto every larger count for good: served, a
+    lookup way measured 116 against 126 tok/s at 3 rows on 4 steps kept it off at 4 and 8 rows,
+    where it measured 194 against 164 and 311 against 259.)"""
 
     WINDOW = 32
+    MEASURED = 3  # counted steps of each way at a row count for its own verdict to stand
     PROBE_STEPS = 3
     # While the bold way runs, a plain step after every PLAIN_EVERY bold ones measures the plain
     # way at this many rows until it has PLAIN_SAMPLES counted steps: one plain step alone, slow
@@ -96,8 +101,10 @@ class Gate:
         return sum(t for t, _ in samples) / seconds if seconds > 0 else None
 
     def loses(self, rows: int) -> bool:
-        """Whether the bold way measured fewer tokens/s than the plain one at this many rows, or
-        at fewer."""
+        """Whether the bold way measured fewer tokens/s than the plain one at this many rows,
+        once both have MEASURED counted steps here; before, at this many or at fewer."""
+        if all(len(self.samples.get((rows, way), ())) >= self.MEASURED for way in (True, False)):
+            return self.rate(rows, True) < self.rate(rows, False)
         for n in range(1, rows + 1):
             bold, plain = self.rate(n, True), self.rate(n, False)
             if bold is not None and plain is not None and bold < plain:
