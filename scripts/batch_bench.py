@@ -6,12 +6,14 @@
 Each mode sends --requests requests (the prompt set cycled, chat template) from --concurrency
 threads through the engine's `stream`, as Triton's worker threads do; `plain` asks for
 num_draft_tokens=0; `dflash-padded` and `plain-padded` run the batch as before packed forwards
-(every row padded to the widest, each prompt in a forward of its own: BatchDecoder(packed=False));
+(TorchEngine.packed = False: every row padded to the widest and the chooser pricing that, each
+prompt in a forward of its own);
 `dflash-separate` and `plain-separate` pack verify forwards but run each prompt in a forward of
 its own (fuse_prompts=False).
 Every run starts a fresh batch (its gates and online costs learn anew). Prints output tokens/s
-per mode, and for the decode steps with every row busy: how many ran the drafter, their mean
-milliseconds and tokens, and the same for the others.
+per mode, and for the decode steps with every row taken (steps that also ran prompt chunks
+included): how many ran the drafter, their mean milliseconds and tokens, and the same for the
+others.
 It separates the engine from the server and its client (`dflash-trt bench`, AIPerf).
 """
 
@@ -48,7 +50,7 @@ def main() -> None:
         began = time.perf_counter()
         out = decode(self)
         if out:
-            steps.append((len(out), any(s.draft_source == "dflash" for _, s in out),
+            steps.append((len(self.rows), any(s.draft_source == "dflash" for _, s in out),
                           time.perf_counter() - began, sum(len(s.token_ids) for _, s in out)))
         return out
 
@@ -57,8 +59,8 @@ def main() -> None:
         for mode in args.modes.split(","):
             steps.clear()
             engine.close()  # a fresh scheduler and decoder for every run
+            engine.packed = not mode.endswith("-padded")
             decoder = engine._batch().decoder
-            decoder.packed = not mode.endswith("-padded")
             decoder.fuse_prompts = decoder.packed and not mode.endswith("-separate")
             tokens = run(engine, ids, args.concurrency, args.max_tokens,
                          0 if mode.startswith("plain") else None)

@@ -354,10 +354,14 @@ def test_the_decoder_times_its_verify_forwards_and_drafter_passes(setup):
     assert [(part, rows, width) for part, rows, width, _ in timed] == [("draft", 3, 0),
                                                                         ("verify", 3, 4)]
     assert all(seconds > 0 for *_, seconds in timed)
-    # Rows verifying 1, 2 and 0 drafts: one packed forward of 6 tokens, a mean width of 2.
+    # Rows verifying 1, 2 and 0 drafts: one packed forward of 6 tokens, a mean width of 2;
+    # padded, the forward is 3 rows of 3 tokens.
     decoder.choose = lambda chances, drafted: [1, 2, 0]
     decoder.decode()
     assert timed[-1][:3] == ("verify", 3, 2.0)
+    decoder.packed = False
+    decoder.decode()
+    assert timed[-1][:3] == ("verify", 3, 3)
 
 
 def test_measured_steps_overrule_a_cost_model_that_says_drafting_pays(setup):

@@ -118,3 +118,25 @@ def test_a_packed_forward_needs_the_attention_that_unpacks_it():
     slots = target.new_slot_cache(2, 16)
     with pytest.raises(ValueError, match="gqa_sdpa"):
         target.forward(torch.tensor([[1, 2, 3]]), slots.packed(0, 2, [2, 1]), False)
+
+
+def test_a_short_prompt_chunk_beside_a_row_at_its_end_fits_the_cache():
+    """The padded pass is as wide as a 10-token prompt chunk, but only real tokens need room: a
+    row 1 slot from the end of its cache verifies its token beside it (the padded view of that
+    width would not fit), and both rows compute what their own forwards do."""
+    target = HFTarget(tiny_target("llama").double())
+    slots = target.new_slot_cache(2, 12)
+    prompt = random_prompts(1, seed=7, low=11, high=12)[0][:11]
+    target.forward(torch.tensor([prompt]), slots.view(0, 1, 11), False)
+    slots.lengths[0] = 11
+    with pytest.raises(ValueError, match="slot cache full"):
+        slots.view(0, 2, 10)
+    chunk = list(range(20, 30))
+    view = slots.packed(0, 2, [1, 10])
+    assert view.width == 10 and view.top == 12
+    hidden = target.forward(torch.tensor([[5, *chunk]]), view, False)[0]
+    torch.testing.assert_close(hidden[:, :1], reference(target, prompt, [5])[None], rtol=0,
+                               atol=1e-12)
+    cache = target.new_cache()
+    want = target.forward(torch.tensor([chunk]), cache, False)[0]
+    torch.testing.assert_close(hidden[:, 1:], want, rtol=0, atol=1e-12)

@@ -47,6 +47,8 @@ from dflash_trt.dflash.sampling import Sampler, banned_next, without
 # Prompt tokens per step (in all when chunks ride in the verify forward, per row otherwise): a long
 # prompt does not stall the batch.
 PREFILL_CHUNK = 512
+
+
 @dataclass
 class Request:
     """What one row generates (dflash.generate.generate_steps' arguments)."""
@@ -81,7 +83,8 @@ class Row:
 
 
 class BatchDecoder:
-    """Rows of a batch and their caches; `prefill` and `decode` each advance every row one step.
+    """Rows of a batch and their caches; `step` advances every row one step (`prefill`, then
+    `decode`, where prompt chunks do not ride in the verify forward).
 
     choose: (per-row chance of each draft passing, whether the drafter ran this step) -> drafts
     each row verifies (draft_chooser), or None to verify every draft. A drafter draft's chance
@@ -90,8 +93,8 @@ class BatchDecoder:
     pays: (the drafter's acceptance per draft position, rows, drafting rows) -> whether the
     drafter pass is worth running this step (dflash.draft_length.drafting_pays), or None to always
     draft. The acceptance per position is measured here, on the drafts this decoder verified.
-    timing: called with ("verify", rows, mean width, seconds) after each verify forward (its first
-    logits included; the mean width of a packed forward is its tokens over its rows) and
+    timing: called with ("verify", rows, width, seconds) after each verify forward without prompt
+    chunks (its first logits included; a packed forward's width is its mean, tokens over rows) and
     ("draft", rows, 0, seconds) after each drafter pass, so the costs the chooser uses can follow
     the machine (engines.cost_model.OnlineCosts).
     packed: verify rows with different numbers of tokens packed (dflash.slots.PackedView) rather
@@ -312,8 +315,9 @@ class BatchDecoder:
             drafts = drafts[:count]
             kept[r] = (drafts, None if q is None else q[:len(drafts)], confidence, source)
             tokens[r] = [rows[r].token, *drafts]
-        # 3. One forward verifies every row: packed when rows bring different numbers of tokens,
-        # else padded to one width (rows still in their prompt ride along, ignored).
+        # 3. One forward verifies every row: packed when rows bring different numbers of tokens
+        # (prompt chunks included), else padded to one width (rows that bring none ride along,
+        # ignored).
         starts = list(self.kv.lengths[:len(rows)])
         verified = time.perf_counter()
         width = max(len(t) for t in tokens)
@@ -326,6 +330,7 @@ class BatchDecoder:
 
             def part(x, r):  # row r's tokens: (1, len(tokens[r]), ...)
                 return x[:, view.offsets[r]:view.offsets[r] + len(tokens[r])]
+            forward_width = len(view.rows) / len(rows)
         else:
             ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.target.device)
             for r, row_tokens in enumerate(tokens):
@@ -335,12 +340,12 @@ class BatchDecoder:
 
             def part(x, r):
                 return x[r:r + 1, :len(tokens[r])]
+            forward_width = width
         # Every row's first logits in one LM-head call; further rows only where drafts pass.
         firsts = self.target.logits(torch.cat([part(hidden, r)[:, 0] for r in kept])) \
             if kept else []
         if self.timing is not None and not chunks:
-            self.timing("verify", len(rows), sum(map(len, tokens)) / len(rows),
-                        time.perf_counter() - verified)
+            self.timing("verify", len(rows), forward_width, time.perf_counter() - verified)
         out = [(rows[r], self._accept(r, starts[r], part(hidden, r),
                                       None if features is None else part(features, r), first,
                                       *plan))

@@ -14,7 +14,8 @@ finished row's slot is refilled by moving the last row into it (`move`).
 Rows that bring different numbers of new tokens (one verifies 6 drafts, the others none) can run
 packed instead (`PackedView`): their tokens side by side in one sequence, so the linear layers,
 most of a forward's cost, see only real tokens. Attention alone runs padded, through the same
-mask and kernel as a SlotView of the widest row (dflash.attention's `packed` argument).
+mask and kernel as a SlotView of the widest row of at most WIDE tokens; a wider row (a prompt
+chunk) attends on its own (dflash.attention's `packed` argument).
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ class PackedView(SlotView):
     def __init__(self, cache: SlotCache, lo: int, hi: int, counts: list[int]):
         super().__init__(cache, lo, hi, max([c for c in counts if c <= self.WIDE] or [1]))
         self.counts = list(counts)
-        self.top = max(self.top, *(s + c for s, c in zip(self.starts, counts, strict=True)))
+        # The slots any real token reads: a short prompt chunk may widen the padded pass past a
+        # verify row's room at the end of its cache, but its padding queries are dropped.
+        self.top = max(s + c for s, c in zip(self.starts, counts, strict=True))
         self.offsets = [sum(counts[:i]) for i in range(len(counts))]
         self.wide = [i for i, c in enumerate(counts) if c > self.WIDE]
         rows = [i for i, c in enumerate(counts) for _ in range(c)]

@@ -75,6 +75,9 @@ class TorchEngine:
         self.queue_timeout_s = queue_timeout_s
         self._scheduler = None  # started by the first batched request
         self.threads = threads  # torch CPU threads for the scheduler's thread (engines.cpu_threads)
+        # Batching: verify forwards packed, prompt chunks in them (dflash.batch), where the target
+        # can (HFTarget.packs); False pads every row to the widest, each prompt on its own.
+        self.packed = True
         self._starting = threading.Lock()
 
     @classmethod
@@ -190,21 +193,22 @@ class TorchEngine:
         from dflash_trt.engines.scheduler import Scheduler
 
         choose = pays = timing = None
+        packed = self.packed and self.target.packs
         if self.cost_model is not None and self.drafter is not None:  # adaptive
             from dflash_trt.dflash.draft_length import drafting_pays
             from dflash_trt.dflash.policy import draft_chooser
             from dflash_trt.engines.cost_model import OnlineCosts
 
             costs = OnlineCosts(self.cost_model)
-            choose = draft_chooser(costs.step_s, costs.verify_s, self.target.packs)
+            choose = draft_chooser(costs.step_s, costs.verify_s, packed)
             pays = partial(drafting_pays, verify_s=costs.verify_s, draft_s=costs.draft_s,
-                           max_drafts=self.block_size - 1, packed=self.target.packs)
+                           max_drafts=self.block_size - 1, packed=packed)
             timing = costs.record
         decoder = BatchDecoder(self.target, self.drafter, block_size=self.block_size,
                                max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
                                prompt_lookup=self.prompt_lookup, backoff=self.draft_backoff,
                                choose=choose, pays=pays, acceptance=self.acceptance,
-                               timing=timing)
+                               timing=timing, packed=packed)
         self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
                                     queue_timeout_s=self.queue_timeout_s, threads=self.threads)
         return self._scheduler
