@@ -462,7 +462,7 @@ def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
 
 def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
     """Gate.wins: the bold way only where it measured faster, at this many rows or at the fewest
-    measured rows above; unmeasured, plain. Asking neither explores, probes nor counts a step."""
+    measured rows above; unmeasured, plain."""
     from dflash_trt.dflash.policy import Gate
 
     gate = Gate()
@@ -474,10 +474,6 @@ def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
         gate.record(8, False, 10, 1.0)
     assert gate.wins(4) and gate.wins(3)  # 3 rows: unmeasured, so as measured at 4
     assert not gate.wins(8) and not gate.wins(7)
-    before = (gate.plain_steps, gate.bold_steps, gate.wait, gate.probing)
-    for _ in range(100):
-        gate.wins(7)
-    assert (gate.plain_steps, gate.bold_steps, gate.wait, gate.probing) == before
     gate.record(2, True, 1, 1.0)
     gate.record(2, False, 10, 1.0)
     assert not gate.wins(4)  # it lost at fewer rows
@@ -503,3 +499,35 @@ def test_what_a_row_count_measured_itself_outweighs_a_loss_at_fewer_rows():
     for _ in range(Gate.MEASURED + 2):
         gate.record(4, True, 1, 1.0)  # the bold way now slower at 4 rows too
     assert gate.loses(4)
+
+
+def test_a_step_that_takes_a_prompt_chunk_neither_explores_nor_counts(setup):
+    """A decoding row beside a joining one: the step that carries the new prompt's chunk asks the
+    gates Gate.wins only (no Gate.bold: no probe, no plain-way sampling) and records nothing, and
+    both rows still decode to their plain greedy output."""
+    target, drafter, prompts, _, _ = setup
+    plain = HFTarget(target.model)
+    refs = [gen.generate(plain, None, p, max_new_tokens=12, block_size=1)[0] for p in prompts[:2]]
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=2, max_seq_len=128,
+                           backoff=False, pays=lambda rates, rows, drafting: True,
+                           choose=lambda chances, drafted: [len(c) for c in chances])
+    calls = []
+    for gate in (decoder.drafter_gate, decoder.width_gate):
+        for name in ("bold", "wins"):
+            method = getattr(gate, name)
+            setattr(gate, name, lambda *a, m=method, n=name, **k: (calls.append(n), m(*a, **k))[1])
+    first = decoder.add(Request(prompts[0], 12))
+    steps = decoder.step() + decoder.step() + decoder.step()  # its prompt, then two decode steps
+    second = decoder.add(Request(prompts[1], 12))
+    calls.clear()
+    counted = [{k: len(v) for k, v in g.samples.items()}
+               for g in (decoder.drafter_gate, decoder.width_gate)]
+    steps += decoder.step()  # first decodes; second's whole prompt rides in the same forward
+    assert "bold" not in calls and "wins" in calls
+    assert counted == [{k: len(v) for k, v in g.samples.items()}
+                       for g in (decoder.drafter_gate, decoder.width_gate)]
+    assert second.token is not None and decoder.kv.lengths[1] == len(prompts[1])
+    while any(row.finish is None for row in decoder.rows):
+        steps += decoder.step()
+    assert [[t for row, s in steps if row is mine for t in s.token_ids]
+            for mine in (first, second)] == refs

@@ -128,6 +128,11 @@ class BatchDecoder:
         self.width_gate = Gate()  # verify lookup drafts, or not (steps without the drafter)
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
 
+    @property
+    def fused(self) -> bool:
+        """Prompt chunks ride in the verify forward: only where it is packed."""
+        return self.packed and self.fuse_prompts
+
     def position_rates(self, source: str = "dflash") -> list[float]:
         """P(draft i accepted | drafts before it accepted) for a source, measured (Tally)."""
         return self.tally[source].rates()
@@ -158,7 +163,7 @@ class BatchDecoder:
         is called with every output as soon as it exists. Packed, prompt chunks ride in the
         verify forward (chunked prefill: a joining request costs the batch no forward of its
         own); otherwise each row in its prompt runs a forward of its own first (`prefill`)."""
-        out = [] if self.fuse_prompts else self.prefill(each)
+        out = [] if self.fused else self.prefill(each)
         for row_step in self.decode():
             out.append(row_step)
             if each is not None:
@@ -274,7 +279,7 @@ class BatchDecoder:
         began = time.perf_counter()
         rows = self.rows
         live = [r for r, row in enumerate(rows) if row.decoding]
-        chunks = self._chunks() if self.fuse_prompts else {}
+        chunks = self._chunks() if self.fused else {}
         if not live and not chunks:
             return []
         # 1. Drafts: lookup where it matches, else the drafter (one pass for all), else none.
