@@ -9,7 +9,8 @@ num_draft_tokens=0; `dflash-padded` and `plain-padded` run the batch as before p
 (TorchEngine.packed = False: every row padded to the widest and the chooser pricing that, each
 prompt in a forward of its own);
 `dflash-separate` and `plain-separate` pack verify forwards but run each prompt in a forward of
-its own (fuse_prompts=False).
+its own (fuse_prompts=False); `-noreuse` keeps no prompts for later ones that start the same way
+(engine.prefix_cache_tokens 0, dflash.prefix). Suffixes combine (`dflash-padded-noreuse`).
 Every run starts a fresh batch (its gates and online costs learn anew). Prints output tokens/s
 per mode, and for the decode steps with every row taken (steps that also ran prompt chunks
 included): how many ran the drafter, their mean milliseconds and tokens, and the same for the
@@ -41,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = load_engine(args.engine_dir)
+    kept = engine.prefix_cache_tokens
     prompts = all_prompts(args.prompts)
     ids = [engine.tokenize(prompts[i % len(prompts)], chat=True) for i in range(args.requests)]
     steps = []  # (rows, drafter ran, seconds, tokens) of each decode step
@@ -59,11 +61,13 @@ def main() -> None:
         for mode in args.modes.split(","):
             steps.clear()
             engine.close()  # a fresh scheduler and decoder for every run
-            engine.packed = not mode.endswith("-padded")
+            base, *suffixes = mode.split("-")
+            engine.packed = "padded" not in suffixes
+            engine.prefix_cache_tokens = 0 if "noreuse" in suffixes else kept
             decoder = engine._batch().decoder
-            decoder.fuse_prompts = decoder.packed and not mode.endswith("-separate")
+            decoder.fuse_prompts = decoder.packed and "separate" not in suffixes
             tokens = run(engine, ids, args.concurrency, args.max_tokens,
-                         0 if mode.startswith("plain") else None)
+                         0 if base == "plain" else None)
             full = [s for s in steps if s[0] == args.concurrency]
             print(f"{mode}: {tokens[0] / tokens[1]:.1f} tok/s ({tokens[0]} in {tokens[1]:.1f} s); "
                   f"steps with {args.concurrency} rows: drafter {_mean(full, True)}; "

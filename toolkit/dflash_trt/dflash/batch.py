@@ -2,8 +2,10 @@
 
 Each request is a row of the batch with its own length in the target's and the drafter's caches
 (dflash.slots). A step (`step`):
-1. Prompts: each row still in its prompt takes its next chunk; the chunk's features go straight
-   into the drafter's cache; the last chunk samples the first token. Where the target packs
+1. Prompts: a new row starts after the longest prefix its prompt shares with a kept one
+   (dflash.prefix: those keys and values are copied, not computed); each row still in its prompt
+   takes its next chunk; the chunk's features go straight into the drafter's cache; the last
+   chunk samples the first token and keeps the prompt for later ones. Where the target packs
    (HFTarget.packs), the chunks ride in step 2's forward (chunked prefill, PREFILL_CHUNK tokens in
    all per step); otherwise each row runs its chunk in a forward of its own first (`prefill`).
 2. `decode`: every decoding row gets its drafts (prompt lookup, or the drafter, or none while it
@@ -42,6 +44,7 @@ from dflash_trt.dflash.generate import (
 )
 from dflash_trt.dflash.lookup import lookup_drafts
 from dflash_trt.dflash.policy import Gate, Tally
+from dflash_trt.dflash.prefix import PrefixStore
 from dflash_trt.dflash.sampling import Sampler, banned_next, without
 
 # Prompt tokens per step (in all when chunks ride in the verify forward, per row otherwise): a long
@@ -99,6 +102,8 @@ class BatchDecoder:
     the machine (engines.cost_model.OnlineCosts).
     packed: verify rows with different numbers of tokens packed (dflash.slots.PackedView) rather
     than padded to the widest; by default where the target can (HFTarget.packs).
+    prefix_tokens: prompt tokens whose keys and values are kept for later prompts that start the
+    same way (dflash.prefix; 0: none kept).
     """
 
     def __init__(self, target, drafter, *, block_size: int, max_rows: int, max_seq_len: int,
@@ -107,7 +112,8 @@ class BatchDecoder:
                  pays: Callable[[list[float], int, int], bool] | None = None,
                  acceptance: Callable[[float], float] | None = None,
                  timing: Callable[[str, int, float, float], None] | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, packed: bool | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, packed: bool | None = None,
+                 prefix_tokens: int = 0):
         self.target, self.drafter = target, drafter
         self.block_size, self.max_rows = block_size, max_rows
         self.prompt_lookup, self.backoff, self.choose, self.pays = prompt_lookup, backoff, choose, pays
@@ -127,6 +133,12 @@ class BatchDecoder:
         self.drafter_skipped = False
         self.width_gate = Gate()  # verify lookup drafts, or not (steps without the drafter)
         self.feature_dim, self.feature_dtype = 0, None  # of the target features, seen at prefill
+        # finished prompts' keys and values, for prompts that start the same way (dflash.prefix)
+        self.prefixes = PrefixStore(prefix_tokens) if prefix_tokens > 0 else None
+
+    def _caches(self) -> list:
+        """The target's cache, then the drafter's where there is one."""
+        return [self.kv] if self.dkv is None else [self.kv, self.dkv]
 
     @property
     def fused(self) -> bool:
@@ -137,20 +149,30 @@ class BatchDecoder:
         """P(draft i accepted | drafts before it accepted) for a source, measured (Tally)."""
         return self.tally[source].rates()
 
+    @torch.inference_mode()
     def add(self, request: Request) -> Row:
+        """A new row for the request; its prompt starts after the longest prefix it shares with
+        a kept prompt (self.prefixes), whose keys and values are copied into its slots."""
         if len(self.rows) >= self.max_rows:
             raise RuntimeError("batch full")
-        row = Row(request, self.draft_len)
-        self.kv.lengths[len(self.rows)] = 0
-        if self.dkv is not None:
-            self.dkv.lengths[len(self.rows)] = 0
+        row, i = Row(request, self.draft_len), len(self.rows)
+        n, saved = (0, None) if self.prefixes is None else self.prefixes.match(request.prompt_ids)
+        caches = self._caches()
+        for cache, layers in zip(caches, saved or [[]] * len(caches), strict=True):
+            cache.put(i, layers, n)
+        row.prefilled = n
         self.rows.append(row)
         return row
 
     @torch.inference_mode()
     def remove(self, row: Row) -> None:
-        """Free the row's slot at once: the last row moves into it."""
+        """Free the row's slot at once: the last row moves into it. A finished row's sequence is
+        kept first (self.prefixes: a conversation's next turn starts with it), as far as both
+        caches hold it (the drafter's may lag by the context it has not absorbed)."""
         i, last = self.rows.index(row), len(self.rows) - 1
+        if self.prefixes is not None and row.finish is not None:
+            n = min(len(row.history), *(c.lengths[i] for c in self._caches()))
+            self.prefixes.keep(row.history[:n], lambda n: [c.take(i, n) for c in self._caches()])
         if i != last:
             for cache in (self.kv, self.dkv):
                 if cache is not None:
@@ -219,6 +241,8 @@ class BatchDecoder:
         prompt, req = row.request.prompt_ids, row.request
         if row.prefilled < len(prompt):
             return None
+        if self.prefixes is not None:
+            self.prefixes.keep(prompt, lambda n: [c.take(i, n) for c in self._caches()])
         logits = without(self.target.logits(last), banned_next(prompt, req.bad_words))
         row.token = int(req.sampler.sample(logits)[0])
         row.history.append(row.token)

@@ -54,6 +54,21 @@ class SlotCache:
                 buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
 
+    def take(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copies of row's first n positions per layer: (nkv, n, hd) keys and values each."""
+        return [None if keys is None else (keys[row, :, :n].clone(), values[row, :, :n].clone())
+                for keys, values in zip(self._keys, self._values, strict=True)]
+
+    def put(self, row: int, layers: list[tuple[torch.Tensor, torch.Tensor] | None],
+            n: int) -> None:
+        """Row's first n positions from `take`'s copies (of a sequence that starts as this row's
+        does); the row's length becomes n."""
+        for layer, saved in enumerate(layers):
+            if saved is not None:
+                keys, values = self.layer(layer, saved[0][None])
+                keys[row, :, :n], values[row, :, :n] = saved[0][:, :n], saved[1][:, :n]
+        self.lengths[row] = n
+
     def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's buffers, allocated on first use in the shape and dtype of `like`."""
         if self._keys[layer] is None:

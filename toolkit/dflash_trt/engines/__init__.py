@@ -27,7 +27,8 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
                               block_size=spec.block_size, max_seq_len=spec.max_seq_len,
                               prompt_lookup=spec.prompt_lookup,
                               max_batch_size=spec.max_batch_size, max_queue=spec.max_queue,
-                              queue_timeout_s=spec.queue_timeout_s)
+                              queue_timeout_s=spec.queue_timeout_s,
+                              prefix_cache_tokens=spec.prefix_cache_tokens)
     if spec.draft_length == "adaptive" and engine.drafter is not None and engine.block_size > 1:
         from dflash_trt.dflash.acceptance import calibrated, read_calibration
         from dflash_trt.engines import cpu_threads

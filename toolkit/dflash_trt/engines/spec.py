@@ -47,6 +47,7 @@ class EngineSpec:
     draft_length: str = "fixed"  # torch engine: "adaptive" verifies only drafts worth their cost
     max_queue: int = 64  # torch engine, batching: requests that may wait for a batch row
     queue_timeout_s: float = 60.0  # torch engine, batching: longest wait for a row, then an error
+    prefix_cache_tokens: int = 0  # torch engine, batching: prompt tokens kept for reuse
 
     def write(self, engine_dir: Path) -> Path:
         """Write engine_dir/engine.yaml; return its path."""

@@ -48,7 +48,8 @@ class TorchEngine:
 
     def __init__(self, model, tokenizer, drafter, *, device: str, block_size: int,
                  max_seq_len: int, prompt_lookup: bool = False, max_batch_size: int = 1,
-                 max_queue: int = 64, queue_timeout_s: float = 60.0, threads: int | None = None):
+                 max_queue: int = 64, queue_timeout_s: float = 60.0, threads: int | None = None,
+                 prefix_cache_tokens: int = 0):
         from dflash_trt.dflash.target import HFTarget
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
@@ -73,6 +74,7 @@ class TorchEngine:
         # how long one may wait for a row before it gets an error.
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.queue_timeout_s = queue_timeout_s
+        self.prefix_cache_tokens = prefix_cache_tokens  # kept for later prompts (dflash.prefix)
         self._scheduler = None  # started by the first batched request
         self.threads = threads  # torch CPU threads for the scheduler's thread (engines.cpu_threads)
         # Batching: verify forwards packed, prompt chunks in them (dflash.batch), where the target
@@ -84,7 +86,8 @@ class TorchEngine:
     def load(cls, target_dir: Path, drafter_dir: Path | None, *, device: str = "cpu",
              dtype: str = "float32", block_size: int | None = None,
              max_seq_len: int = 2048, prompt_lookup: bool = False, max_batch_size: int = 1,
-             max_queue: int = 64, queue_timeout_s: float = 60.0) -> TorchEngine:
+             max_queue: int = 64, queue_timeout_s: float = 60.0,
+             prefix_cache_tokens: int = 0) -> TorchEngine:
         """Load a target checkpoint (and optionally a drafter) from resolved directories."""
         from transformers import AutoTokenizer
 
@@ -119,7 +122,8 @@ class TorchEngine:
         return cls(model, tokenizer, drafter, device=device, block_size=block_size,
                    max_seq_len=max_seq_len, prompt_lookup=prompt_lookup,
                    max_batch_size=max_batch_size, max_queue=max_queue,
-                   queue_timeout_s=queue_timeout_s, threads=threads)
+                   queue_timeout_s=queue_timeout_s, threads=threads,
+                   prefix_cache_tokens=prefix_cache_tokens)
 
     def tokenize(self, prompt: str, chat: bool = False,
                  parse_special_tokens: bool = False) -> list[int]:
@@ -208,7 +212,8 @@ class TorchEngine:
                                max_rows=self.max_batch_size, max_seq_len=self.max_seq_len,
                                prompt_lookup=self.prompt_lookup, backoff=self.draft_backoff,
                                choose=choose, pays=pays, acceptance=self.acceptance,
-                               timing=timing, packed=packed)
+                               timing=timing, packed=packed,
+                               prefix_tokens=self.prefix_cache_tokens)
         self._scheduler = Scheduler(decoder, self._lock, max_queue=self.max_queue,
                                     queue_timeout_s=self.queue_timeout_s, threads=self.threads)
         return self._scheduler

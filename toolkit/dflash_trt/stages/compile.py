@@ -74,6 +74,7 @@ def run_compile_stage(ctx) -> dict:
         draft_length=engine.draft_length if engine.backend == "torch" else "fixed",
         max_queue=engine.max_queue,
         queue_timeout_s=engine.queue_timeout_s,
+        prefix_cache_tokens=engine.prefix_cache_tokens,
     )
     spec.write(ctx.out)
     info.update(backend=spec.backend, device=spec.device, dtype=spec.dtype,
