@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from dflash_fixtures import write_tiny_checkpoint
 
 from dflash_trt.commands.engine import COMMANDS
+from dflash_trt.dflash.prefix import common_prefix
 from dflash_trt.engines.base import SamplingParams, collect
 from dflash_trt.engines.scheduler import EngineBusy
 
@@ -77,6 +78,26 @@ def test_concurrent_streams_equal_each_requests_plain_greedy(dirs, references):
         assert [r.text for r in results] == [r.text for r in refs]
         assert sum(r.total_draft_tokens for r in results) > 0
         assert wait_idle(engine) == 0  # every row left when its request finished
+    finally:
+        engine.close()
+
+
+def test_prompts_that_start_alike_reuse_the_kept_start_and_stay_exact(dirs, serial):
+    """With engine.prefix_cache_tokens, a later prompt copies the keys and values of the start it
+    shares with an earlier one (here 20 bytes and the chat template's); every output is still
+    its own plain greedy output."""
+    prompts = ["The quick brown fox jumps", "The quick brown fox sleeps", "The quick brown fox"]
+    ids = [serial.tokenize(p, chat=True) for p in prompts]
+    plain = SamplingParams(max_new_tokens=12, num_draft_tokens=0)
+    refs = [collect(serial.stream(i, plain)).token_ids for i in ids]
+    engine = load(dirs, max_batch_size=2, prefix_cache_tokens=4096)
+    try:
+        results = [collect(engine.stream(i, SamplingParams(max_new_tokens=12))).token_ids
+                   for i in ids]
+        assert results == refs
+        shared = [common_prefix(ids[0], ids[1]),
+                  max(common_prefix(ids[2], ids[0]), common_prefix(ids[2], ids[1]))]
+        assert min(shared) >= 20 and engine._scheduler.decoder.prefixes.reused == sum(shared)
     finally:
         engine.close()
 

@@ -40,6 +40,7 @@ def test_torch_engine_dir_is_self_contained_and_loads(built):
     assert data["block_size"] == 4 and data["max_seq_len"] == 256
     assert data["defaults"]["max_tokens"] == recipe.triton.max_tokens
     assert data["prompt_lookup"] is recipe.engine.prompt_lookup is False
+    assert data["prefix_cache_tokens"] == recipe.engine.prefix_cache_tokens == 4096
     assert info["smoke"]["tokens"] >= 1
     quantized = root / "tiny" / "quantized" / "target" / "model.safetensors"
     assert os.path.samefile(out / "target" / "model.safetensors", quantized)  # hard link
@@ -48,7 +49,7 @@ def test_torch_engine_dir_is_self_contained_and_loads(built):
     shutil.copytree(out, moved)
     engine = load_engine(moved)
     assert engine.block_size == 4 and engine.max_seq_len == 256
-    assert engine.prompt_lookup is False
+    assert engine.prompt_lookup is False and engine.prefix_cache_tokens == 4096
     spec = yaml.safe_load((moved / "engine.yaml").read_text())
     spec.pop("prompt_lookup")  # engine.yaml from before the key existed still loads
     (moved / "engine.yaml").write_text(yaml.safe_dump({**spec, "prompt_lookup": True}))
