@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -292,13 +293,39 @@ def test_a_cancelled_stream_does_not_disturb_the_others(server, engine):
     assert server.is_ready()
 
 
-def test_acceptance_metrics_are_published(server, grpc):
-    grpc.generate(GenerateRequest(prompt="metrics", max_tokens=4))
-    with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
+def metric(text: str, name: str, model: str = "dflash") -> float:
+    """A model's counter in Prometheus text."""
+    lines = [line for line in text.splitlines() if line.startswith(f'{name}{{model="{model}",')]
+    assert len(lines) == 1, lines
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_acceptance_and_prefix_metrics_are_published(server, grpc):
+    def scrape() -> str:
+        with urllib.request.urlopen(server.metrics_url, timeout=30) as resp:
+            return resp.read().decode()
+
+    def request() -> str:
+        """The metrics after one more request was counted (the model counts it after its final
+        response, so a scrape right after may come first)."""
+        before = metric(scrape(), "dflash_prompt_tokens_total")
+        grpc.generate(GenerateRequest(prompt="metrics, prefix reused", max_tokens=4))
+        deadline = time.monotonic() + 30
+        while metric(text := scrape(), "dflash_prompt_tokens_total") == before:
+            assert time.monotonic() < deadline, "the request was never counted"
+            time.sleep(0.1)
+        return text
+
+    first = request()
+    # the same prompt again: all but its last token reused from the first request (the engine
+    # batches, so prefix reuse is on: engine.prefix_cache_tokens defaults to 4096)
+    second = request()
     for name in ("dflash_output_tokens_total", "dflash_target_forwards_total",
                  "dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total"):
-        assert name in text
+        assert name in second
+    prompt, cached = (metric(second, name) - metric(first, name) for name in (
+        "dflash_prompt_tokens_total", "dflash_cached_prompt_tokens_total"))
+    assert prompt > 8 and cached == prompt - 1
 
 
 def test_query_command_prints_json(server, engine):

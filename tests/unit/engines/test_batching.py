@@ -92,12 +92,13 @@ def test_prompts_that_start_alike_reuse_the_kept_start_and_stay_exact(dirs, seri
     refs = [collect(serial.stream(i, plain)).token_ids for i in ids]
     engine = load(dirs, max_batch_size=2, prefix_cache_tokens=4096)
     try:
-        results = [collect(engine.stream(i, SamplingParams(max_new_tokens=12))).token_ids
-                   for i in ids]
-        assert results == refs
-        shared = [common_prefix(ids[0], ids[1]),
+        steps = [list(engine.stream(i, SamplingParams(max_new_tokens=12))) for i in ids]
+        assert [[t for s in mine for t in s.token_ids] for mine in steps] == refs
+        shared = [0, common_prefix(ids[0], ids[1]),
                   max(common_prefix(ids[2], ids[0]), common_prefix(ids[2], ids[1]))]
-        assert min(shared) >= 20 and engine._scheduler.decoder.prefixes.reused == sum(shared)
+        assert min(shared[1:]) >= 20 and engine._scheduler.decoder.prefixes.reused == sum(shared)
+        # each stream's first step says how many of its prompt tokens were reused; no other does
+        assert [[s.cached_tokens for s in mine[:2]] for mine in steps] == [[n, 0] for n in shared]
     finally:
         engine.close()
 

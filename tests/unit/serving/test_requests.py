@@ -107,9 +107,10 @@ def test_stream_needs_a_decoupled_model():
 
 
 def test_totals_and_outputs():
-    totals = Totals()
-    totals.add(StepOutput((7,), "x", 0, 0))  # the prefill's token: not a decoding forward
-    assert totals.acceptance_length == 0.0
+    totals = Totals(prompt_tokens=30)
+    totals.add(StepOutput((7,), "x", 0, 0, cached_tokens=24))  # the prefill's token: not a
+    assert totals.acceptance_length == 0.0  # decoding forward; 24 prompt tokens were reused
+    assert (totals.prompt_tokens, totals.cached_tokens) == (30, 24)
     totals.add(StepOutput((1, 2, 3), "abc", 3, 2))
     totals.add(StepOutput((4,), "d", 3, 0, finished=True, finish_reason="length"))
     assert totals.text == "xabcd" and totals.token_ids == [7, 1, 2, 3, 4]

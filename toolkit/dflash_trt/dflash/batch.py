@@ -73,6 +73,7 @@ class Row:
             else max(0, min(draft_len, request.num_draft_tokens))
         self.stops = set(request.stop_token_ids)
         self.prefilled = 0  # prompt tokens in the target cache
+        self.cached = 0  # of those, copied from a kept prompt (dflash.prefix)
         self.token: int | None = None  # the newest token, not yet in the target cache
         self.context: list[torch.Tensor] = []  # (1, c, k*H) features not in the drafter cache
         self.history = list(request.prompt_ids)  # what prompt lookup searches
@@ -160,7 +161,7 @@ class BatchDecoder:
         caches = self._caches()
         for cache, layers in zip(caches, saved or [[]] * len(caches), strict=True):
             cache.put(i, layers, n)
-        row.prefilled = n
+        row.prefilled = row.cached = n
         self.rows.append(row)
         return row
 
@@ -249,7 +250,7 @@ class BatchDecoder:
         row.generated = 1
         row.finish = "eos" if row.token in row.stops else \
             "length" if req.max_new_tokens <= 1 else None
-        return Step([row.token], 0, 0, row.finish)
+        return Step([row.token], 0, 0, row.finish, cached_tokens=row.cached)
 
     def _drafts(self, row: Row) -> tuple[list[int], object, str | None, list[float], bool]:
         """(drafts, q, source, confidence, wants the drafter) for a decoding row."""

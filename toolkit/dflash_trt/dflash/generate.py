@@ -43,6 +43,7 @@ class Step:
     finish_reason: str | None = None  # "length" | "eos" when this is the last step
     draft_source: str | None = None  # "dflash" | "lookup" when this step verified drafts
     draft_confidence: tuple[float, ...] = ()  # dflash: the drafter's peak probability per draft
+    cached_tokens: int = 0  # the first step: prompt tokens copied from a kept prompt (dflash.prefix)
 
 
 @dataclass

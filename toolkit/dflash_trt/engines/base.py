@@ -47,6 +47,9 @@ class StepOutput:
     # False when the runtime reported no draft counters for this step (TensorRT-LLM versions
     # whose PyTorch flow leaves them zeroed): the counts above are then unknown, not 0
     draft_counts_known: bool = True
+    # the first step: prompt tokens whose keys and values came from an earlier request's (prefix
+    # reuse: the torch engine's dflash.prefix), not computed
+    cached_tokens: int = 0
 
 
 @dataclass

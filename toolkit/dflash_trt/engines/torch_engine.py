@@ -270,7 +270,8 @@ class TorchEngine:
                 finish = "stop" if stopped else finish
             yield StepOutput(tuple(step.token_ids), text, step.num_draft_tokens,
                              step.num_accepted_draft_tokens, finish is not None, finish,
-                             step.draft_source, step.draft_confidence)
+                             step.draft_source, step.draft_confidence,
+                             cached_tokens=step.cached_tokens)
             if finish is not None:
                 return
 

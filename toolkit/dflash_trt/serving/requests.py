@@ -229,6 +229,8 @@ class Totals:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     draft_counts_known: bool = True  # as of the latest step (see StepOutput.draft_counts_known)
+    prompt_tokens: int = 0  # the request's prompt
+    cached_tokens: int = 0  # of those, reused from an earlier request's (StepOutput.cached_tokens)
 
     def add(self, step: StepOutput) -> None:
         self.text += step.text
@@ -240,6 +242,7 @@ class Totals:
         self.draft_tokens += step.num_draft_tokens
         self.accepted_draft_tokens += step.num_accepted_draft_tokens
         self.draft_counts_known = step.draft_counts_known
+        self.cached_tokens += step.cached_tokens
 
     @property
     def acceptance_length(self) -> float:

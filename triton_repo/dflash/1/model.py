@@ -54,6 +54,9 @@ class Metrics:
             ("forwards", "dflash_target_forwards_total", "Target forward passes that emitted tokens"),
             ("draft", "dflash_draft_tokens_total", "Tokens proposed by the drafter"),
             ("accepted", "dflash_accepted_draft_tokens_total", "Draft tokens the target accepted"),
+            ("prompt", "dflash_prompt_tokens_total", "Prompt tokens of finished requests"),
+            ("cached", "dflash_cached_prompt_tokens_total",
+             "Prompt tokens reused from an earlier request's keys and values (prefix reuse)"),
         ):
             family, metric = counter(name, description)
             self._families.append(family)
@@ -75,6 +78,8 @@ class Metrics:
             self._metrics["forwards"].increment(totals.forwards)
             self._metrics["draft"].increment(totals.draft_tokens)
             self._metrics["accepted"].increment(totals.accepted_draft_tokens)
+            self._metrics["prompt"].increment(totals.prompt_tokens)
+            self._metrics["cached"].increment(totals.cached_tokens)
 
 
 class TritonPythonModel:
@@ -161,7 +166,7 @@ class TritonPythonModel:
         if is_cancelled():
             self._record("cancelled")
             return
-        totals = Totals()
+        totals = Totals(prompt_tokens=len(req.prompt_ids))
         finished = False
         steps = self.engine.stream(req.prompt_ids, req.params)
         outcome = "error"
