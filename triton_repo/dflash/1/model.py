@@ -54,9 +54,9 @@ class Metrics:
             ("forwards", "dflash_target_forwards_total", "Target forward passes that emitted tokens"),
             ("draft", "dflash_draft_tokens_total", "Tokens proposed by the drafter"),
             ("accepted", "dflash_accepted_draft_tokens_total", "Draft tokens the target accepted"),
-            ("prompt", "dflash_prompt_tokens_total", "Prompt tokens of finished requests"),
+            ("prompt", "dflash_prompt_tokens_total", "Prompt tokens of requests the engine took"),
             ("cached", "dflash_cached_prompt_tokens_total",
-             "Prompt tokens reused from an earlier request's keys and values (prefix reuse)"),
+             "Of those, reused from an earlier request's keys and values (torch engine)"),
         ):
             family, metric = counter(name, description)
             self._families.append(family)
