@@ -460,24 +460,6 @@ def test_a_probe_takes_the_bold_way_until_one_of_its_steps_counts():
     assert taken == [False] * PROBE_EVERY + [True] * Gate.PROBE_STEPS + [False]  # at most
 
 
-def test_probe_waits_are_kept_per_row_count():
-    """Backed off at 8 rows, the gate stays backed off there while the drafter wins at 2 rows;
-    a row count it passes through (a draining batch) does not probe on plain steps counted at
-    another."""
-    from dflash_trt.dflash.policy import PROBE_EVERY, Gate
-
-    gate = Gate()
-    taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(8, False)]
-    probes = [taken[0], taken[Gate.PROBE_STEPS]]  # after 16 plain steps, then after 32
-    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY + Gate.PROBE_STEPS]
-    assert all(gate.bold(2, True) for _ in range(Gate.PLAIN_EVERY))  # winning at 2 rows
-    # 8 rows' wait is still 64 plain steps from its last probe
-    before = 4 * PROBE_EVERY - (probes[1] + Gate.PROBE_STEPS)
-    taken = [i for i in range(4 * PROBE_EVERY) if gate.bold(8, False)]
-    assert taken[0] == 4 * PROBE_EVERY - before
-    assert not any(gate.bold(n, False) for n in (7, 6, 5) for _ in range(PROBE_EVERY - 1))
-
-
 def test_a_step_with_prompt_chunks_takes_only_what_the_gate_measured_winning():
     """Gate.wins: the bold way only where it measured faster, at this many rows or at the fewest
     measured rows above; unmeasured, plain."""

@@ -43,12 +43,9 @@ class Gate:
     The cost model predicts a step; this measures it whole (padding, Python, the LM-head rows of
     accepted drafts, a busy machine). The bold way runs when predicted to pay and not measured
     slower than the plain one at this many rows. While it does not, a probe takes it after
-    PROBE_EVERY plain steps at this many rows, waiting twice as long after each probe there (up to
-    PROBE_MAX); while it does and the plain way has fewer than PLAIN_SAMPLES counted steps at this
-    many rows, a plain step follows every PLAIN_EVERY bold ones. Waits are kept per row count: the
-    drafter winning at 2 rows says nothing of 8, and a served sweep (c1, c2, c4, c8, repeated)
-    must not restart 8 rows' probes at every pass through 2; and as the batch drains, 7, 6, 5 ...
-    rows each pass too few steps to probe.
+    PROBE_EVERY plain steps, waiting twice as long after each probe (up to PROBE_MAX); while it
+    does and the plain way has fewer than PLAIN_SAMPLES counted steps at this many rows, a plain
+    step follows every PLAIN_EVERY bold ones.
 
     A way's rate is its tokens over its seconds in its last WINDOW counted steps, less the
     slowest of them (a step the machine stalled must not decide for hundreds). Not a median of
@@ -78,9 +75,8 @@ class Gate:
     def __init__(self):
         # (rows, bold) -> (tokens, seconds) of its last WINDOW counted steps
         self.samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}
-        self.bold_steps = 0  # in a row
-        self.plain_steps: dict[int, int] = {}  # rows -> plain steps there since its last bold one
-        self.waits: dict[int, int] = {}  # rows -> plain steps there before its next probe
+        self.plain_steps = self.bold_steps = 0  # in a row
+        self.wait = PROBE_EVERY
         self.probing = 0  # bold steps left in the current probe
         self.warm: set[bool] = set()  # the ways whose first step has run
 
@@ -129,19 +125,18 @@ class Gate:
     def bold(self, rows: int, predicted: bool) -> bool:
         """Whether this step takes the bold way (counted as taken)."""
         choice = predicted and not self.loses(rows)
-        wait = self.waits.get(rows, PROBE_EVERY)
         if self.probing:
             choice, self.probing = True, self.probing - 1
         elif choice:
-            self.waits[rows] = PROBE_EVERY
+            self.wait = PROBE_EVERY
             if len(self.samples.get((rows, False), ())) < self.PLAIN_SAMPLES \
                     and self.bold_steps >= self.PLAIN_EVERY:
                 choice = False  # measure the plain way
-        elif self.plain_steps.get(rows, 0) >= wait:  # a probe: bold anyway, wait longer next
-            choice, self.waits[rows] = True, min(2 * wait, PROBE_MAX)
+        elif self.plain_steps >= self.wait:  # a probe: bold anyway, wait longer next time
+            choice, self.wait = True, min(2 * self.wait, PROBE_MAX)
             self.probing = self.PROBE_STEPS - 1
-        self.bold_steps = self.bold_steps + 1 if choice else 0
-        self.plain_steps[rows] = 0 if choice else self.plain_steps.get(rows, 0) + 1
+        self.bold_steps, self.plain_steps = (self.bold_steps + 1, 0) if choice \
+            else (0, self.plain_steps + 1)
         return choice
 
 
