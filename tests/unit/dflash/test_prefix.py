@@ -145,3 +145,26 @@ def test_a_conversations_next_turn_reuses_the_finished_turn(shared, drafting):
     reused = decoder.prefixes.reused
     assert reused == len(first) + len(answer) - 1 if not drafting else \
         len(first) < reused <= len(first) + len(answer) - 1
+
+
+def test_sampled_output_with_kept_prefixes_equals_it_without_seed_by_seed(shared):
+    """Sampling (temperature 1, each request its own seed) draws the same tokens whether a
+    request's prompt start was reused or computed (float64): reuse leaves every logit as it was,
+    so the batch's chi-square tests without reuse (test_batch) hold with it too."""
+    from dflash_trt.dflash.sampling import Sampler
+
+    model, drafter, prompts, lengths, _ = shared
+
+    def sampled(prefix_tokens: int) -> list[list[int]]:
+        decoder = BatchDecoder(HFTarget(model, drafter.target_layer_ids), drafter, block_size=4,
+                               max_rows=2, max_seq_len=128, backoff=False, prefill_chunk=8,
+                               prefix_tokens=prefix_tokens)
+        requests = [Request(p, n, Sampler(1.0, 0, 1.0, torch.Generator().manual_seed(seed)))
+                    for seed, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        out = run(decoder, requests, arrive=[0, 0, 1, 1, 2, 2])
+        assert prefix_tokens == 0 or decoder.prefixes.reused >= 4 * 20
+        return out
+
+    with_reuse, without = sampled(1000), sampled(0)
+    assert with_reuse == without
+    assert [len(o) for o in with_reuse] == lengths  # no stop tokens: every request ran its length
