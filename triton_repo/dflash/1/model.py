@@ -7,10 +7,18 @@ Request validation lives in dflash_trt.serving.requests so it is unit-tested wit
 """
 
 import json
+import os
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+# Set before torch loads libgomp, which reads it once: how many times an idle OpenMP worker spins
+# before it sleeps (libgomp's default: 300,000). This process shares its cores with tritonserver
+# and often a client; a worker spinning between steps holds a core they need, and spinning beside
+# a busy core stalls every kernel (docs/benchmarks.md, session 15). The server's environment
+# overrides it.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import triton_python_backend_utils as pb_utils
 
