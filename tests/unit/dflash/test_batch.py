@@ -501,6 +501,41 @@ def test_what_a_row_count_measured_itself_outweighs_a_loss_at_fewer_rows():
     assert gate.loses(4)
 
 
+@pytest.mark.parametrize("predicted", [False, True])
+def test_a_step_that_takes_a_prompt_chunk_drafts_only_where_the_cost_model_predicts_it_pays(
+        setup, predicted):
+    """The drafter gate measured drafting faster at one row, so Gate.wins says yes; the step
+    that carries a joining prompt's chunk runs the drafter only if the cost model (pays) also
+    predicts it pays. Both rows still decode to their plain greedy output."""
+    target, drafter, prompts, _, _ = setup
+    plain = HFTarget(target.model)
+    refs = [gen.generate(plain, None, p, max_new_tokens=12, block_size=1)[0] for p in prompts[:2]]
+    decoder = BatchDecoder(target, drafter, block_size=4, max_rows=2, max_seq_len=128,
+                           backoff=False, prompt_lookup=False,
+                           pays=lambda rates, rows, drafting: predicted,
+                           choose=lambda chances, drafted: [len(c) for c in chances])
+    gate = decoder.drafter_gate
+    for _ in range(gate.MEASURED + 1):  # the first of each way does not count
+        gate.record(1, True, 3, 1.0)
+        gate.record(1, False, 1, 1.0)
+    assert gate.wins(1)
+    passes = []
+    draft_all = decoder._draft_all
+    decoder._draft_all = lambda wanted, plans: (passes.append(len(wanted)),
+                                                 draft_all(wanted, plans))[1]
+    first = decoder.add(Request(prompts[0], 12))
+    steps = decoder.step() + decoder.step()  # its prompt, then a decoding step
+    second = decoder.add(Request(prompts[1], 12))
+    passes.clear()
+    steps += decoder.step()  # first decodes; second's whole prompt rides in the same forward
+    assert second.token is not None
+    assert passes == ([1] if predicted else [])
+    while any(row.finish is None for row in decoder.rows):
+        steps += decoder.step()
+    assert [[t for row, s in steps if row is mine for t in s.token_ids]
+            for mine in (first, second)] == refs
+
+
 def test_a_step_that_takes_a_prompt_chunk_neither_explores_nor_counts(setup):
     """A decoding row beside a joining one: the step that carries the new prompt's chunk asks the
     gates Gate.wins only (no Gate.bold: no probe, no plain-way sampling) and records nothing, and

@@ -315,12 +315,13 @@ class BatchDecoder:
             plans[r] = (drafts, q, confidence, source)
             if wants:
                 wanted.append(r)
-        # A step the drafter gate decides; one that also takes prompt chunks only asks what it
-        # measured (Gate.wins): its seconds are the prompt's, so it can test neither way.
+        # A step the drafter gate decides; one that also takes prompt chunks drafts only where
+        # the cost model predicts and the gate measured (Gate.wins) that drafting pays: its
+        # seconds are the prompt's, so it can test neither way.
         contested = bool(wanted) and self.pays is not None
-        if contested and not (
-                self.drafter_gate.wins(len(live)) if chunks else self.drafter_gate.bold(
-                    len(live), self.pays(self.position_rates(), len(live), len(wanted)))):
+        predicted = contested and self.pays(self.position_rates(), len(live), len(wanted))
+        if contested and not ((predicted and self.drafter_gate.wins(len(live))) if chunks
+                              else self.drafter_gate.bold(len(live), predicted)):
             for r in wanted:  # a plain step: at this load the drafter costs more than it brings
                 plans[r] = ([], None, [], None)
             wanted, self.drafter_skipped = [], True
