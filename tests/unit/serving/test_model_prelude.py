@@ -38,7 +38,7 @@ def probe(env: dict[str, str]) -> str:
 
 def test_the_openmp_spin_count_is_set_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    assert probe(env) == "1000"
+    assert probe(env) == "10000"
 
 
 def test_the_server_environment_overrides_the_spin_count():

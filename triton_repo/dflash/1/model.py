@@ -18,7 +18,7 @@ from pathlib import Path
 # and often a client; a worker spinning between steps holds a core they need, and spinning beside
 # a busy core stalls every kernel (docs/benchmarks.md, session 15). The server's environment
 # overrides it.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import triton_python_backend_utils as pb_utils
 
