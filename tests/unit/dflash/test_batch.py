@@ -514,6 +514,7 @@ def test_a_step_that_takes_a_prompt_chunk_drafts_only_where_the_cost_model_predi
                            backoff=False, prompt_lookup=False,
                            pays=lambda rates, rows, drafting: predicted,
                            choose=lambda chances, drafted: [len(c) for c in chances])
+    assert decoder.fused  # a joining prompt's chunk rides in the decoding rows' forward
     gate = decoder.drafter_gate
     for _ in range(gate.MEASURED + 1):  # the first of each way does not count
         gate.record(1, True, 3, 1.0)

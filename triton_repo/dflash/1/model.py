@@ -17,8 +17,9 @@ from pathlib import Path
 # before it sleeps (libgomp's default: 300,000). This process shares its cores with tritonserver
 # and often a client; a worker spinning between steps holds a core they need, and spinning beside
 # a busy core stalls every kernel (docs/benchmarks.md, session 15). The server's environment
-# overrides it.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# overrides it, with GOMP_SPINCOUNT or OMP_WAIT_POLICY (which an explicit count would override).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import triton_python_backend_utils as pb_utils
 
