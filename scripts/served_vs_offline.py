@@ -8,11 +8,17 @@ For every repeat, prompt and mode (plain = num_draft_tokens 0, then dflash) one 
 the server and then the same one to the engine loaded here (while the server idles), each timed
 from send to its last token. Prints tokens/s per place and mode (all tokens / all seconds, per
 repeat, then the median) and whether the served tokens equal the offline ones.
+
+With --watch PID (repeatable: tritonserver, the Python backend stub) it also prints, per mode,
+how many cores each watched process and this one (the client) kept busy while requests were
+served: CPU seconds from /proc over served wall seconds, with the busiest threads of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,23 +39,29 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--watch", type=int, action="append", default=[],
+                        help="a process whose CPU use while serving to report (repeatable)")
     args = parser.parse_args()
 
     engine = load_engine(args.engine_dir)
     client = GrpcClient(args.url)
     prompts = all_prompts(args.prompts)[:args.num_prompts]
     totals = {(where, mode): [] for where in ("served", "offline") for mode in MODES}
+    cpu = {mode: collections.Counter() for mode in MODES}  # (pid, tid) -> CPU s; "wall" -> s
     same = True
     try:
         for _ in range(args.repeats):
             run = {key: [0, 0.0] for key in totals}  # tokens, seconds
             for prompt in prompts:
                 for mode, drafts in MODES.items():
+                    before = _cpu_seconds(args.watch)
                     began = time.perf_counter()
                     served = [t for chunk in client.stream(GenerateRequest(
                         prompt, max_tokens=args.max_tokens, temperature=0.0,
                         num_draft_tokens=drafts)) for t in chunk.token_ids]
                     _add(run["served", mode], len(served), began)
+                    cpu[mode].update(_cpu_seconds(args.watch) - before)
+                    cpu[mode]["wall"] += time.perf_counter() - began
                     began = time.perf_counter()
                     ids = engine.tokenize(prompt, chat=engine_chat(args.engine_dir))
                     offline = [t for step in engine.stream(ids, SamplingParams(
@@ -67,6 +79,8 @@ def main() -> None:
                                                             totals["offline", mode], strict=True))
         print(f"{mode}: served {served:.1f} tok/s, offline {offline:.1f} tok/s, served/offline "
               f"{served / offline:.3f} (per repeat served/offline: {runs})")
+        if args.watch:
+            print(_cpu_report(cpu[mode]))
     print("served tokens equal offline tokens:", same)
 
 
@@ -74,6 +88,35 @@ def engine_chat(engine_dir: Path) -> bool:
     from dflash_trt.engines.spec import EngineSpec
 
     return bool(EngineSpec.read(engine_dir).chat_template)
+
+
+def _cpu_seconds(pids: list[int]) -> collections.Counter:
+    """CPU seconds so far of every thread of `pids` ((pid, tid)), and of this process ((0, 0))."""
+    seconds = collections.Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # the thread ended
+                continue
+            seconds[pid, int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    own = os.times()
+    seconds[0, 0] = own.user + own.system
+    return seconds
+
+
+def _cpu_report(cpu: collections.Counter) -> str:
+    """Cores each process kept busy while serving, and its three busiest threads."""
+    wall, lines = cpu["wall"], []
+    for pid in sorted({key[0] for key in cpu if key != "wall"}):
+        threads = sorted((s for key, s in cpu.items() if key != "wall" and key[0] == pid),
+                         reverse=True)
+        name = "client (this process)" if pid == 0 else f"pid {pid}"
+        lines.append(f"  {name}: {sum(threads) / wall:.3f} cores; busiest threads "
+                     + ", ".join(f"{s / wall:.3f}" for s in threads[:3]))
+    return "\n".join(lines)
 
 
 def _add(acc: list, tokens: int, began: float) -> None:
