@@ -2,12 +2,12 @@
 
     .venv/bin/python scripts/drafter_pass_bench.py ENGINE_DIR DRAFTER [DRAFTER ...] [--rounds 15]
 
-ENGINE_DIR's target (as the engine loads it) runs one verify forward of 1 token per row; each
-DRAFTER (reference format, float32, its linears packed as the engine packs them) runs the batched
-pass a decode step runs: its whole block over 2 new context positions per row after 126 in its
-cache, then the LM head over its drafts (its draft vocabulary if it has one; drafters in one run must
-share it). At 1, 4 and 8 rows;
-medians over interleaved rounds (engines.cost_model.timed_rounds), so drift hits every shape alike.
+ENGINE_DIR's target (as the engine loads it) runs one verify forward of 1 token per row after 128
+in its cache; each DRAFTER (reference format, float32, its linears packed as the engine packs
+them) runs the batched pass a decode step runs: its whole block over 2 new context positions per
+row after 126 in its cache, then the LM head over its drafts (its draft vocabulary if it has one;
+drafters in one run must share it). At 1, 4 and 8 rows; medians over interleaved rounds
+(engines.cost_model.timed_rounds), so drift hits every shape alike.
 """
 
 import argparse
@@ -46,11 +46,12 @@ def main() -> None:
             kv = target.new_slot_cache(rows, CONTEXT + 8)
             _, features = target.forward(ids[:, :CONTEXT].expand(rows, -1),
                                          kv.view(0, rows, CONTEXT), True)
+            kv.lengths[:rows] = [CONTEXT] * rows  # the verify runs after the context
             for path, drafter in drafters.items():
                 runs.append(_drafter_pass(target, drafter, features, rows))
                 names.append((rows, f"{path} ({len(drafter.layers)} layers)"))
 
-            def verify(rows=rows, kv=kv):
+            def verify(rows=rows, kv=kv):  # the cache is not advanced: every round alike
                 hidden, _ = target.forward(ids[:, CONTEXT:CONTEXT + 1].expand(rows, -1),
                                            kv.view(0, rows, 1), True)
                 target.logits(hidden)

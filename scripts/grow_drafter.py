@@ -2,20 +2,20 @@
 
     .venv/bin/python scripts/grow_drafter.py DRAFTER OUTPUT
 
-The new last layer copies the last one with its two output projections (attention's o_proj, the
-MLP's down_proj) zeroed, so both residual branches add nothing and the drafter's outputs are
-unchanged until training moves them (checked before writing). Continue it with
-`dflash-trt train-drafter --drafter OUTPUT ...` (docs/training.md, 2 or 3 drafter layers).
+dflash.drafter_init.grow_drafter: the new last layer copies the last one with its output
+projections zeroed, so the drafts stay the same until training moves it (checked here before
+writing, in float32). Written in the dtype DRAFTER was stored in. Continue it with
+`dflash-trt train-drafter --drafter OUTPUT ...` (docs/training.md, a third drafter layer).
 """
 
 import argparse
-import copy
 import json
 from pathlib import Path
 
 import torch
 
 from dflash_trt.dflash.drafter import DFlashDraftModel
+from dflash_trt.dflash.drafter_init import grow_drafter
 
 
 def main() -> None:
@@ -23,37 +23,18 @@ def main() -> None:
     parser.add_argument("drafter", type=Path)
     parser.add_argument("output", type=Path)
     args = parser.parse_args()
-    old = DFlashDraftModel.from_pretrained(args.drafter)
-    config = copy.deepcopy(old.config)
-    config.num_hidden_layers += 1
-    config.layer_types = [*config.layer_types, config.layer_types[-1]]
-    new = DFlashDraftModel(config)
-    n = len(old.layers)
-    state = old.state_dict()
-    for key, value in list(state.items()):
-        if key.startswith(f"layers.{n - 1}."):
-            grown = value.clone()
-            if key.endswith(("o_proj.weight", "down_proj.weight")):
-                grown.zero_()
-            state[key.replace(f"layers.{n - 1}.", f"layers.{n}.", 1)] = grown
-    new.load_state_dict(state, strict=True)
-    new.set_draft_vocab(old.draft_vocab)
-    new.eval()
+    drafter = DFlashDraftModel.from_pretrained(args.drafter)
+    grown = grow_drafter(drafter)
     generator = torch.Generator().manual_seed(0)
-    noise = torch.randn(1, old.block_size, config.hidden_size, generator=generator)
-    context = torch.randn(1, 12, len(old.target_layer_ids) * config.hidden_size,
-                          generator=generator)
-    with torch.no_grad():
-        if not torch.equal(old(noise, context), new(noise, context)):
+    noise = torch.randn(1, drafter.block_size, drafter.config.hidden_size, generator=generator)
+    context = torch.randn(1, 12, drafter.fc.in_features, generator=generator)
+    with torch.inference_mode():
+        if not torch.equal(drafter(noise, context), grown(noise, context)):
             raise SystemExit("the grown drafter drafts differently; nothing written")
-    new.to(_stored_dtype(args.drafter)).save_pretrained(args.output)
-    print(f"{args.output}: {n} -> {n + 1} layers, outputs unchanged")
-
-
-def _stored_dtype(path: Path) -> torch.dtype:
-    """The dtype the drafter's weights were written in (bfloat16 for train-drafter's default)."""
-    name = json.loads((path / "config.json").read_text()).get("dtype", "float32")
-    return getattr(torch, name)
+    stored = json.loads((args.drafter / "config.json").read_text())
+    dtype = getattr(torch, stored.get("dtype") or stored.get("torch_dtype") or "float32")
+    grown.to(dtype).save_pretrained(args.output)
+    print(f"{args.output}: {len(drafter.layers)} -> {len(grown.layers)} layers, drafts unchanged")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ from send to its last token. Prints tokens/s per place and mode (all tokens / al
 repeat, then the median) and whether the served tokens equal the offline ones.
 
 With --watch PID (repeatable: tritonserver, the Python backend stub) it also prints, per mode,
-how many cores each watched process and this one (the client) kept busy while requests were
-served: CPU seconds from /proc over served wall seconds, with the busiest threads of each.
+how many cores each watched process and this one kept busy while requests were served: CPU
+seconds from /proc over served wall seconds, with the busiest threads of each. This process is
+the client then, and the offline engine's threads, idle but for libgomp's spin after a request.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def main() -> None:
                         prompt, max_tokens=args.max_tokens, temperature=0.0,
                         num_draft_tokens=drafts)) for t in chunk.token_ids]
                     _add(run["served", mode], len(served), began)
-                    cpu[mode].update(_cpu_seconds(args.watch) - before)
+                    for key, value in _cpu_seconds(args.watch).items():
+                        cpu[mode][key] += value - before.get(key, 0.0)  # a new thread: all of it
                     cpu[mode]["wall"] += time.perf_counter() - began
                     began = time.perf_counter()
                     ids = engine.tokenize(prompt, chat=engine_chat(args.engine_dir))
@@ -91,19 +93,25 @@ def engine_chat(engine_dir: Path) -> bool:
 
 
 def _cpu_seconds(pids: list[int]) -> collections.Counter:
-    """CPU seconds so far of every thread of `pids` ((pid, tid)), and of this process ((0, 0))."""
+    """CPU seconds so far of each process in `pids` and of this one ((pid, None): the whole
+    process, threads that ended included) and of each of their threads ((pid, tid))."""
     seconds = collections.Counter()
     tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
+
+    def read(path: str) -> float | None:
+        try:
+            with open(path) as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            return None
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    for pid in [*pids, os.getpid()]:
+        seconds[pid, None] = read(f"/proc/{pid}/stat") or 0.0
         for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except FileNotFoundError:  # the thread ended
-                continue
-            seconds[pid, int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    own = os.times()
-    seconds[0, 0] = own.user + own.system
+            value = read(f"/proc/{pid}/task/{tid}/stat")
+            if value is not None:
+                seconds[pid, int(tid)] = value
     return seconds
 
 
@@ -111,10 +119,11 @@ def _cpu_report(cpu: collections.Counter) -> str:
     """Cores each process kept busy while serving, and its three busiest threads."""
     wall, lines = cpu["wall"], []
     for pid in sorted({key[0] for key in cpu if key != "wall"}):
-        threads = sorted((s for key, s in cpu.items() if key != "wall" and key[0] == pid),
-                         reverse=True)
-        name = "client (this process)" if pid == 0 else f"pid {pid}"
-        lines.append(f"  {name}: {sum(threads) / wall:.3f} cores; busiest threads "
+        threads = sorted((s for key, s in cpu.items()
+                          if key != "wall" and key[0] == pid and key[1] is not None), reverse=True)
+        name = ("this process (the client, beside the idle offline engine)"
+                if pid == os.getpid() else f"pid {pid}")
+        lines.append(f"  {name}: {cpu[pid, None] / wall:.3f} cores; busiest threads "
                      + ", ".join(f"{s / wall:.3f}" for s in threads[:3]))
     return "\n".join(lines)
 

@@ -12,7 +12,11 @@ from dflash_trt.dflash.drafter import (
     DFlashDraftModel,
     build_target_layer_ids,
 )
-from dflash_trt.dflash.drafter_init import choose_mask_token_id, drafter_config_for_target
+from dflash_trt.dflash.drafter_init import (
+    choose_mask_token_id,
+    drafter_config_for_target,
+    grow_drafter,
+)
 from dflash_trt.errors import DflashTrtError
 
 REFERENCE_LAYER_KEYS = [
@@ -55,6 +59,22 @@ def test_save_and_reload_gives_identical_drafts(tmp_path):
     assert config["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 1]}
     reloaded = DFlashDraftModel.from_pretrained(tmp_path)
     assert torch.equal(_draft(drafter), _draft(reloaded))
+
+
+def test_a_grown_drafter_drafts_as_before_until_its_new_layer_trains(tmp_path):
+    drafter = tiny_drafter(tiny_target("qwen3"), num_layers=2, block_size=8, seed=4)
+    drafter.set_draft_vocab([3, 5, 9])
+    grown = grow_drafter(drafter)
+    assert len(grown.layers) == 3 and grown.config.num_hidden_layers == 3
+    assert grown.target_layer_ids == drafter.target_layer_ids  # not re-derived for 3 layers
+    assert grown.draft_vocab.tolist() == [3, 5, 9] and grown.fc.weight.dtype == torch.float32
+    assert torch.equal(_draft(drafter), _draft(grown))  # exact: the new layer adds zeros
+    grown.save_pretrained(tmp_path)
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert torch.equal(_draft(grown), _draft(reloaded))
+    with torch.no_grad():  # the new layer is wired in: once its output moves, the drafts do
+        grown.layers[2].self_attn.o_proj.weight.normal_(0, 0.1)
+    assert not torch.allclose(_draft(drafter), _draft(grown))
 
 
 def test_draft_vocabulary_is_saved_beside_the_reference_weights(tmp_path):

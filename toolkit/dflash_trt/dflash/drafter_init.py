@@ -1,8 +1,10 @@
 """Making a new DFlash drafter for a target: its config (shape copied from the target), its mask
-token (rules in dflash.drafter's docstring) and a fixed-seed random initialisation."""
+token (rules in dflash.drafter's docstring) and a fixed-seed random initialisation; and a trained
+drafter grown by a layer that starts as the identity (`grow_drafter`)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -85,3 +87,29 @@ def init_drafter(config, *, seed: int = 0) -> DFlashDraftModel:
             else:
                 param.normal_(0.0, config.initializer_range, generator=generator)
     return model.eval()
+
+
+def grow_drafter(drafter: DFlashDraftModel) -> DFlashDraftModel:
+    """The drafter with one more layer that drafts exactly as it does, to train further: the new
+    last layer copies the last one with its output projections (attention's o_proj, the MLP's
+    down_proj; biases too) zeroed, so both of its residual branches add nothing until training
+    moves them. The copy has the drafter's dtype, device and draft vocabulary."""
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers += 1
+    config.layer_types = [*config.layer_types, config.layer_types[-1]]
+    # Pin the target layers it reads: derived from the layer count, they would change with it.
+    config.dflash_config = {**(getattr(config, "dflash_config", None) or {}),
+                            "target_layer_ids": list(drafter.target_layer_ids)}
+    last = len(drafter.layers) - 1
+    state = drafter.state_dict()
+    for key, value in list(state.items()):
+        if key.startswith(f"layers.{last}."):
+            grown = value.clone()
+            if key.endswith(("o_proj.weight", "o_proj.bias", "down_proj.weight", "down_proj.bias")):
+                grown.zero_()
+            state[key.replace(f"layers.{last}.", f"layers.{last + 1}.", 1)] = grown
+    weight = drafter.fc.weight
+    grown = DFlashDraftModel(config).to(device=weight.device, dtype=weight.dtype)
+    grown.load_state_dict(state, strict=True)
+    grown.set_draft_vocab(drafter.draft_vocab)
+    return grown.eval()
