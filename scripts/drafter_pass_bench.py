@@ -2,25 +2,25 @@
 
     .venv/bin/python scripts/drafter_pass_bench.py ENGINE_DIR DRAFTER [DRAFTER ...] [--rounds 15]
 
-ENGINE_DIR's target (as the engine loads it) runs one verify forward of 1 token per row after 128
-in its cache; each DRAFTER (reference format, float32, its linears packed as the engine packs
-them) runs the batched pass a decode step runs: its whole block over 2 new context positions per
-row after 126 in its cache, then the LM head over its drafts (its draft vocabulary if it has one;
-drafters in one run must share it). At 1, 4 and 8 rows; medians over interleaved rounds
-(engines.cost_model.timed_rounds), so drift hits every shape alike.
+ENGINE_DIR's target (as the engine loads it) and each DRAFTER (reference format, float32, its
+linears packed as the engine packs them) are timed by the build's own cost model runs
+(engines.cost_model._batch_runs): a verify forward of 1 token per row after 128 cached tokens,
+and the batched drafter pass of a decode step (the whole block over 2 new context positions per
+row, then the LM head over the drafts, the draft vocabulary if there is one; drafters in one run
+must share it). At 1, 4 and 8 rows; medians over interleaved rounds (timed_rounds), so drift hits
+every shape alike.
 """
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from dflash_trt.dflash.drafter import DFlashDraftModel
 from dflash_trt.engines import load_engine
-from dflash_trt.engines.cost_model import timed_rounds
+from dflash_trt.engines.cost_model import CONTEXT_TOKENS, _batch_runs, timed_rounds
 from dflash_trt.engines.torch_engine import _pack_for_cpu
-
-CONTEXT = 128
 
 
 def main() -> None:
@@ -39,43 +39,22 @@ def main() -> None:
     for drafter in drafters.values():
         drafter.draft_vocab = first.draft_vocab  # one tensor: the target's packed rows are reused
         _pack_for_cpu(drafter)
-    ids = torch.arange(CONTEXT + 8)[None] * 7 % target.vocab_size
+    block = first.block_size
+    ids = torch.arange(CONTEXT_TOKENS + block)[None] * 7 % target.vocab_size
     runs, names = [], []
     with torch.inference_mode():
         for rows in (1, 4, 8):
-            kv = target.new_slot_cache(rows, CONTEXT + 8)
-            _, features = target.forward(ids[:, :CONTEXT].expand(rows, -1),
-                                         kv.view(0, rows, CONTEXT), True)
-            kv.lengths[:rows] = [CONTEXT] * rows  # the verify runs after the context
-            for path, drafter in drafters.items():
-                runs.append(_drafter_pass(target, drafter, features, rows))
+            for i, (path, drafter) in enumerate(drafters.items()):
+                engine = SimpleNamespace(target=target, drafter=drafter, block_size=block)
+                mine = _batch_runs(engine, rows, ids, CONTEXT_TOKENS)  # verify 1..block, draft
+                runs.append(mine[-1])
                 names.append((rows, f"{path} ({len(drafter.layers)} layers)"))
-
-            def verify(rows=rows, kv=kv):  # the cache is not advanced: every round alike
-                hidden, _ = target.forward(ids[:, CONTEXT:CONTEXT + 1].expand(rows, -1),
-                                           kv.view(0, rows, 1), True)
-                target.logits(hidden)
-            runs.append(verify)
-            names.append((rows, "target verify, 1 token per row"))
+                if i == 0:
+                    runs.append(mine[0])
+                    names.append((rows, "target verify, 1 token per row"))
         seconds = timed_rounds(runs, args.rounds)
     for (rows, name), s in zip(names, seconds, strict=True):
         print(f"{rows} rows  {1000 * s:6.1f} ms  {name}")
-
-
-def _drafter_pass(target, drafter, features, rows: int):
-    start = CONTEXT - 2
-    cache = drafter.new_slot_cache(rows, CONTEXT + 8)
-    drafter.forward_rows(None, features[:, :start], [start] * rows, cache.view(0, rows, start))
-    cache.lengths[:rows] = [start] * rows
-
-    def run():
-        block = torch.full((rows, drafter.block_size), drafter.mask_token_id, dtype=torch.long)
-        hidden = drafter.forward_rows(target.embed(block), features[:, start:], [2] * rows,
-                                      cache.view(0, rows, 2))  # the cache is not advanced
-        drafts = hidden[:, 1:]
-        vocab = drafter.draft_vocab
-        return target.logits(drafts) if vocab is None else target.logits_rows(drafts, vocab)
-    return run
 
 
 if __name__ == "__main__":
