@@ -17,6 +17,7 @@ from dflash_trt.serving.requests import (
     MAX_STOP_WORDS,
     UINT64_MAX,
     BadRequest,
+    CancelCheck,
     ServeRequest,
     Totals,
     output_arrays,
@@ -203,3 +204,24 @@ def test_acceptance_rate_output():
     assert output_arrays("bc", [2, 3], totals)["acceptance_rate"][0] == pytest.approx(0.25)
     totals.add(StepOutput((4,), "d", 0, 0, draft_counts_known=False))
     assert output_arrays("d", [4], totals)["acceptance_rate"][0] == -1.0
+
+
+def test_the_cancel_check_asks_triton_at_most_once_per_interval():
+    answers, clock = [False, False, True], [100.0]
+    asked = []
+
+    def ask():
+        asked.append(clock[0])
+        return answers[len(asked) - 1]
+
+    check = CancelCheck(ask, interval_s=0.2, clock=lambda: clock[0])
+    assert check() is False and asked == [100.0]  # the first call asks
+    clock[0] = 100.15
+    assert check() is False and asked == [100.0]  # within the interval: the last answer
+    assert check(fresh=True) is False and asked == [100.0, 100.15]  # fresh asks now
+    clock[0] = 100.3
+    assert check() is False and len(asked) == 2  # 0.15 s since the last ask
+    clock[0] = 100.4
+    assert check() is True and asked == [100.0, 100.15, 100.4]
+    clock[0] = 200.0
+    assert check() is True and check(fresh=True) is True and len(asked) == 3  # cancelled stays

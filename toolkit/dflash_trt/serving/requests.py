@@ -8,6 +8,7 @@ BadRequest whose message starts with the offending input's name.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ UINT64_MAX = 2**64 - 1
 # can ask for (far above any real use).
 MAX_STOP_WORDS = 256
 MAX_STOP_WORD_CHARS = 256
+# How often a streaming request asks Triton whether its client cancelled. Each ask is a round trip
+# to the Triton process; asked before every step, 4 streams' asks cost the served engine 5-10% of
+# its speed on 2 cores (docs/benchmarks.md, session 17). A cancelled request so runs at most this
+# much longer (plus a step) before its batch row frees.
+CANCEL_CHECK_INTERVAL_S = 0.2
 
 
 class BadRequest(Exception):
@@ -270,3 +276,23 @@ def output_arrays(text: str, token_ids: list[int], totals: Totals) -> dict[str, 
 # Outputs with no batch dimension even in a batched model: TensorRT-LLM's postprocessing returns
 # text_output 1-D ([1]), and its clients read it as `as_numpy("text_output")[0].decode()`.
 UNBATCHED_OUTPUTS = frozenset({"text_output"})
+
+
+class CancelCheck:
+    """Whether a request's client cancelled: `ask()` (a round trip to Triton) at most every
+    `interval_s`, the last answer in between; once cancelled, always. `fresh=True` asks now."""
+
+    def __init__(self, ask: Callable[[], bool], interval_s: float = CANCEL_CHECK_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._ask, self.interval_s, self._clock = ask, interval_s, clock
+        self._asked_at: float | None = None
+        self._cancelled = False
+
+    def __call__(self, fresh: bool = False) -> bool:
+        if self._cancelled:
+            return True
+        now = self._clock()
+        if fresh or self._asked_at is None or now - self._asked_at >= self.interval_s:
+            self._asked_at = now
+            self._cancelled = bool(self._ask())
+        return self._cancelled

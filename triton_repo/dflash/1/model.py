@@ -31,6 +31,7 @@ from dflash_trt.serving.requests import (
     INPUTS,
     UNBATCHED_OUTPUTS,
     BadRequest,
+    CancelCheck,
     Totals,
     output_arrays,
     parse_request,
@@ -199,19 +200,20 @@ class TritonPythonModel:
             yield _error(exc.message), True
         finally:
             steps.close()  # frees the engine (and its lock) when the client went away
-            if outcome == "error" and is_cancelled():
+            if outcome == "error" and is_cancelled(fresh=True):
                 outcome = "cancelled"  # the client left while a response was being sent
             self._record(outcome, totals)
 
     def _is_cancelled(self, request):
+        """A CancelCheck of `request` (asks Triton at most every CANCEL_CHECK_INTERVAL_S)."""
         check = getattr(request, "is_cancelled", None)
         if check is None:
-            return lambda: False
+            return lambda fresh=False: False
 
         def locked():
             with self.ipc:
                 return check()
-        return locked
+        return CancelCheck(locked)
 
     def _record(self, outcome, totals=None):
         with self.ipc:
