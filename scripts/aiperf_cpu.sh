@@ -23,6 +23,8 @@
 # server serves, so concurrency alone still decides the load: in AIPerf 0.13's pure concurrency
 # mode that loop polls for a free slot without sleeping and holds a whole core for the run, half
 # of a 2-core machine (RATE=burst restores that mode). docs/benchmarks.md has both.
+# NICE=N runs AIPerf at niceness N (19: the lowest priority), so that on a machine it shares with
+# the server its own processes take the cores only when the engine leaves them (default 0).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -39,6 +41,7 @@ OUTPUT_TOKENS=${OUTPUT_TOKENS:-48}
 MODEL=${MODEL:-dflash}
 HTTP_PORT=${HTTP_PORT:-18000}
 RATE=${RATE:-100}
+NICE=${NICE:-0}
 PACING=(--request-rate "$RATE" --request-rate-mode constant)
 [[ "$RATE" == burst ]] && PACING=()
 
@@ -71,7 +74,7 @@ for r in $(seq 1 "$REPEATS"); do
   RUN=$OUT
   [[ "$REPEATS" -gt 1 ]] && RUN=$OUT/r$r
   for c in $CONCURRENCY; do
-    "$AIPERF_VENV/bin/aiperf" profile \
+    nice -n "$NICE" "$AIPERF_VENV/bin/aiperf" profile \
       --model "$MODEL" --url "http://$URL" \
       --endpoint-type template --custom-endpoint "/v2/models/$MODEL/generate_stream" --streaming \
       --extra-inputs payload_template:"$OUT/payload.jinja" --extra-inputs response_field:text_output \
