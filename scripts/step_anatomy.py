@@ -3,9 +3,9 @@ head and argmax, over N rows of different lengths, with the linear layers timed 
 
     .venv/bin/python scripts/step_anatomy.py ENGINE_DIR [--rows 1,4,8] [--steps 20] [--ops]
 
-For each row count: the mean (and median) step, and the mean milliseconds inside the linear layers (the
-target's PackedLinear calls, LM head included) and outside them (attention, norms, rotary,
-cache writes, Python). `--ops` also counts the top-level torch ops of one step. On a CPU the
+For each row count: the mean (and median) step, and the mean milliseconds inside the linear
+layers (the target's PackedLinear calls, LM head included) and outside them (attention, norms,
+rotary, cache writes, Python). `--ops` also counts the top-level torch ops of one step. On a CPU the
 linear layers stream every weight once per step whatever the row count, so their share says how
 far a step is from the memory's limit; the rest is what fusing or leaner code could cut.
 """
