@@ -1,32 +1,55 @@
-"""Time one SmolLM2-135M projection (576 -> 1536, float32) for 1..16 rows: PyTorch's default CPU
-matmul against oneDNN with a packed weight (dflash/cpu_linear.py). Microseconds per call.
+"""Time one SmolLM2-135M projection (576 -> 1536) for 1..64 rows: PyTorch's default CPU matmul and
+oneDNN with a packed weight (dflash/cpu_linear.py), both float32, against the float16 kernel for
+NVFP4 weights (dflash/cpu_fp16.py). Microseconds per call, the best of 3 interleaved rounds.
 
-    .venv/bin/python scripts/cpu_linear_bench.py [THREADS]
+    .venv/bin/python scripts/cpu_linear_bench.py [THREADS] [--copies N]
+
+Each kernel cycles through N copies of the weight (default 40, 35 MB in float32), so that the
+weights come from memory as in a model's step, not from a cache that holds one layer.
 """
 
-import sys
+import argparse
 import time
 
 import torch
 
-from dflash_trt.dflash import cpu_linear
+from dflash_trt.dflash import cpu_fp16, cpu_linear
+from dflash_trt.formats import qformats
 
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
-weight = torch.randn(1536, 576)
-packed = cpu_linear.pack(weight)
+parser = argparse.ArgumentParser()
+parser.add_argument("threads", type=int, nargs="?", default=torch.get_num_threads())
+parser.add_argument("--copies", type=int, default=40)
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
+torch.manual_seed(0)
+layers = []
+for _ in range(args.copies):
+    stored = qformats.nvfp4_quantize(torch.randn(1536, 576) * 0.05)
+    dense = qformats.nvfp4_dequantize(stored.packed, stored.weight_scale, stored.weight_scale_2)
+    layers.append((dense, cpu_linear.pack(dense),
+                   cpu_fp16.blocked(stored.packed, stored.weight_scale),
+                   float(stored.weight_scale_2)))
+fp16 = cpu_fp16.load() is not None
 
 
-def micros(fn, calls: int = 200) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+def micros(fn) -> float:
+    """Microseconds per call of fn over every copy, best of 3 rounds of 5 passes."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(5):
+            for layer in layers:
+                fn(layer)
+        best = min(best, (time.perf_counter() - start) / (5 * len(layers)) * 1e6)
+    return best
 
 
-print(f"threads {torch.get_num_threads()}\n| rows | default (us) | oneDNN packed (us) |\n|---|---|---|")
-for rows in (1, 2, 4, 8, 16):
+print(f"threads {torch.get_num_threads()}, {args.copies} copies\n"
+      "| rows | default float32 (us) | oneDNN packed float32 (us) | float16 kernel (us) |\n"
+      "|---|---|---|---|")
+for rows in (1, 2, 4, 6, 8, 12, 16, 32, 64):
     x = torch.randn(rows, 576)
-    default = micros(lambda x=x: torch.nn.functional.linear(x, weight))
-    onednn = micros(lambda x=x: cpu_linear.packed_linear(x, packed, None))
-    print(f"| {rows} | {default:.0f} | {onednn:.0f} |")
+    default = micros(lambda w, x=x: torch.nn.functional.linear(x, w[0]))
+    onednn = micros(lambda w, x=x: cpu_linear.packed_linear(x, w[1], None))
+    kernel = micros(lambda w, x=x: cpu_fp16.linear(x, w[2], w[3])) if fp16 else float("nan")
+    print(f"| {rows} | {default:.0f} | {onednn:.0f} | {kernel:.0f} |", flush=True)

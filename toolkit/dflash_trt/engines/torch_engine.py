@@ -278,8 +278,9 @@ class TorchEngine:
 
 def _pack_for_cpu(model) -> None:
     """float32 on CPU: the model's linear layers through oneDNN with packed weights, several
-    times faster than the default kernels for the few rows of a verify forward or a batch
-    (dflash.cpu_linear)."""
+    times faster than the default kernels for the few rows of a verify forward or a batch, and
+    NVFP4 ones through a float16 kernel for up to 8 rows (dflash.cpu_linear, dflash.cpu_fp16).
+    Elsewhere the NVFP4 weights kept as stored for that kernel are dropped."""
     import torch
 
     from dflash_trt.dflash import cpu_linear
@@ -287,6 +288,9 @@ def _pack_for_cpu(model) -> None:
     param = next(model.parameters())
     if param.device.type == "cpu" and param.dtype == torch.float32 and cpu_linear.available():
         cpu_linear.pack_linears(model)
+    for module in model.modules():
+        if getattr(module, "stored", None) is not None:
+            module.stored = None
 
 
 def _check_batchable(model, target_dir) -> None:

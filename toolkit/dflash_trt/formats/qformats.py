@@ -221,7 +221,8 @@ class QuantLinear(nn.Module):
     """A Linear whose weight was dequantized at load and whose input is quantized every call.
 
     `act_format` is "nvfp4" (dynamic per-16 blocks, `input_scale` as global scale), "fp8"
-    (per tensor, static `input_scale`) or None (weight-only formats).
+    (per tensor, static `input_scale`) or None (weight-only formats). `stored` keeps an NVFP4
+    weight as stored, for kernels that read it so (dflash.cpu_fp16); not part of the state dict.
     """
 
     def __init__(
@@ -231,6 +232,7 @@ class QuantLinear(nn.Module):
         act_format: str | None = None,
         input_scale: torch.Tensor | None = None,
         pre_quant_scale: torch.Tensor | None = None,
+        stored: NVFP4Weight | None = None,
     ):
         super().__init__()
         if act_format is not None and input_scale is None:
@@ -241,6 +243,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
         self.register_buffer("pre_quant_scale", pre_quant_scale)
+        self.stored = stored
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input as the quantized layer sees it (pre-quant scale, fake-quantized)."""
@@ -338,6 +341,9 @@ def build_quant_linears(
             act_format=qcfg.act_format,
             input_scale=scale,
             pre_quant_scale=None if pqs is None else pqs.to(dtype),
+            stored=NVFP4Weight(state[f"{name}.weight"], state[f"{name}.weight_scale"],
+                               state[f"{name}.weight_scale_2"])
+            if qcfg.quant_algo in (NVFP4, W4A16_NVFP4) and dtype == torch.float32 else None,
         )
     return layers
 

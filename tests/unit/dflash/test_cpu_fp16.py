@@ -1,0 +1,136 @@
+"""dflash.cpu_fp16: NVFP4 weights as float16 compute x @ W.T to float32 accuracy, each row the
+same whatever rows share the call, and the torch engine running them stays lossless."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dflash_fixtures import write_tiny_checkpoint
+
+from dflash_trt.dflash import cpu_fp16, cpu_linear
+from dflash_trt.formats import qformats as qf
+
+pytestmark = pytest.mark.skipif(cpu_fp16.load() is None or not cpu_linear.available(),
+                                reason="no AVX2/F16C CPU or no C++ compiler, or no oneDNN")
+
+
+def nvfp4(out: int, inp: int, seed: int) -> qf.NVFP4Weight:
+    torch.manual_seed(seed)
+    return qf.nvfp4_quantize(torch.randn(out, inp) * 0.05)
+
+
+def unblocked(w16: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout [out/8, in/8, 8, 8] back to [out, in]."""
+    nb, kb = w16.shape[:2]
+    return w16.transpose(1, 2).reshape(nb * 8, kb * 8)
+
+
+def test_float16_holds_the_nvfp4_weight_exactly():
+    w = nvfp4(24, 64, seed=0)
+    w16 = unblocked(cpu_fp16.blocked(w.packed, w.weight_scale)).double()
+    values = qf.e2m1_decode(qf.unpack_e2m1(w.packed), torch.float64).reshape(24, -1, 16)
+    exact = values * w.weight_scale.double().unsqueeze(-1)  # E2M1 x E4M3, no rounding in float64
+    assert torch.equal(w16, exact.reshape(24, 64))
+    dense = qf.nvfp4_dequantize(w.packed, w.weight_scale, w.weight_scale_2).double()
+    assert torch.allclose(w16 * float(w.weight_scale_2), dense, rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("out,inp", [(8, 16), (24, 48), (192, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
+def test_kernel_matches_float64(out, inp, rows):
+    w = nvfp4(out, inp, seed=rows)
+    w16 = cpu_fp16.blocked(w.packed, w.weight_scale)
+    g = float(w.weight_scale_2)
+    x = torch.randn(rows, inp)
+    dense = unblocked(w16).double() * g
+    exact = x.double() @ dense.T
+    bound = (x.double().abs() @ dense.abs().T) * 2e-6  # float32 sums of `inp` terms
+    got = cpu_fp16.linear(x, w16, g)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    w = nvfp4(64, 96, seed=3)
+    w16, g = cpu_fp16.blocked(w.packed, w.weight_scale), float(w.weight_scale_2)
+    x = torch.randn(11, 96)
+    together = cpu_fp16.linear(x, w16, g)  # tiles of 4, 4 and 3 rows
+    for lo, hi in [(0, 1), (3, 5), (1, 4), (2, 9), (6, 11)]:
+        assert torch.equal(cpu_fp16.linear(x[lo:hi], w16, g), together[lo:hi])
+
+
+def quant_layer(out: int, inp: int, seed: int) -> qf.QuantLinear:
+    w = nvfp4(out, inp, seed)
+    state = {"l.weight": w.packed, "l.weight_scale": w.weight_scale,
+             "l.weight_scale_2": w.weight_scale_2}
+    cfg = qf.QuantConfig(qf.W4A16_NVFP4, None, 16, ())
+    return qf.build_quant_linears(state, cfg, torch.float32)["l"]
+
+
+@pytest.mark.parametrize("rows", [0, 1, cpu_fp16.MAX_ROWS, cpu_fp16.MAX_ROWS + 1])
+def test_packed_nvfp4_layer_uses_the_kernel_for_few_rows_only(rows, monkeypatch):
+    layer = quant_layer(40, 64, seed=4)
+    assert layer.stored is not None
+    packed = cpu_linear.PackedLinear(layer)
+    assert packed.fp16 is not None and layer.stored is None  # read once, then dropped
+    calls, real = [], cpu_fp16.linear
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_fp16, "linear", counted)
+    x = torch.randn(1, rows, 64)
+    assert torch.allclose(packed(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert calls == ([rows] if 0 < rows <= cpu_fp16.MAX_ROWS else [])
+
+
+def test_switched_off_the_layer_stays_on_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_fp16, "_lib", None)
+    packed = cpu_linear.PackedLinear(quant_layer(40, 64, seed=5))
+    assert packed.fp16 is None
+
+
+def write_nvfp4_checkpoint(path):
+    """The tiny target with its decoder layers' linear weights stored as W4A16_NVFP4."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_checkpoint(path)
+    state = load_file(str(path / "model.safetensors"))
+    for name in [k[:-len(".weight")] for k in state if k.endswith("proj.weight")]:
+        w = qf.nvfp4_quantize(state[f"{name}.weight"])
+        state[f"{name}.weight"] = w.packed
+        state[f"{name}.weight_scale"] = w.weight_scale
+        state[f"{name}.weight_scale_2"] = w.weight_scale_2
+    save_file(state, str(path / "model.safetensors"))
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        "quant_algo": "W4A16_NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+        "exclude_modules": ["lm_head", "model.embed_tokens"]}}))
+    return path
+
+
+def test_engine_on_the_kernel_stays_lossless(tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_trt.commands.engine import COMMANDS
+    from dflash_trt.engines.base import SamplingParams, collect
+    from dflash_trt.engines.torch_engine import TorchEngine
+
+    target = write_nvfp4_checkpoint(tmp_path / "target")
+    init = {c.name: c for c in COMMANDS}["init-drafter"]
+    result = CliRunner().invoke(init, ["--target", str(target), "--output",
+                                       str(tmp_path / "drafter"), "--block-size", "4",
+                                       "--target-layer-ids", "0,2", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    engine = TorchEngine.load(target, tmp_path / "drafter", max_seq_len=256)
+    kernels = [m for m in engine.model.modules() if getattr(m, "fp16", None) is not None]
+    assert len(kernels) == 4 * 7  # every projection of the 4 decoder layers
+    for prompt in ["hello", "The quick brown fox"]:
+        ids = engine.tokenize(prompt, chat=True)
+        plain = collect(engine.stream(ids, SamplingParams(max_new_tokens=32,
+                                                          num_draft_tokens=0)))
+        spec = collect(engine.stream(ids, SamplingParams(max_new_tokens=32)))
+        assert spec.token_ids == plain.token_ids and spec.total_draft_tokens > 0
+    engine.close()

@@ -1,0 +1,135 @@
+"""NVFP4 weights read as float16 on CPU: half the bytes a decoding step streams.
+
+On a CPU a decoding step's linear layers stream every weight once whatever the row count, and the
+torch engine dequantizes NVFP4 weights to float32 at load: 4 bytes per weight. An NVFP4 weight is
+an E2M1 value times its block's E4M3 scale times the tensor's float32 `weight_scale_2` (g). The
+first product has at most 6 significant bits and lies in [2^-10, 2688], so it is exact in float16:
+W = W16 * g with nothing rounded, and `cpu_fp16.cpp` computes x @ W16.T * g from 2 bytes per
+weight. Against the float32 path only the order of the float32 sums differs (as between any two
+matmul kernels); against float64 it is within 1e-6 relative (tests/unit/dflash/test_cpu_fp16.py).
+
+Each row's result is the same whichever rows share the call (the kernel's sum order does not
+depend on them), so up to MAX_ROWS rows a batched step computes each row's linear layers exactly
+as a batch of one would. Beyond MAX_ROWS (prefill, wide verify forwards) the weights' bytes no
+longer set the time and oneDNN's packed float32 kernel is faster (dflash.cpu_linear).
+
+The kernel is compiled on first use with the system's C++ compiler ($CXX, else g++) into
+$DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and runs on the OpenMP runtime
+torch already loaded, with torch's thread count. It needs an x86-64 CPU with AVX2, FMA and F16C.
+Without one, without a compiler, or with DFLASH_TRT_CPU_FP16=0, `load()` says why once (stderr)
+and returns None, and the layers stay on oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Up to this many rows the float16 kernel beats oneDNN's packed float32 one on the 2-core EPYC
+# this project measures on (scripts/cpu_linear_bench.py, docs/benchmarks.md).
+MAX_ROWS = 8
+BLOCK = 8  # outputs per weight block (cpu_fp16.cpp)
+SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with one line on stderr saying why) where it cannot run."""
+    global _lib
+    if _lib is False:
+        _lib, why = _build()
+        if why:
+            print(f"dflash-trt: float16 CPU kernel off ({why}); linear layers use oneDNN",
+                  file=sys.stderr)
+    return _lib
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("DFLASH_TRT_CPU_FP16", "1") == "0":
+        return None, ""
+    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma", "f16c"):
+        return None, "this CPU lacks AVX2, FMA or F16C"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    lib_path = cache / f"cpu_fp16-{digest}.so"
+    if not lib_path.exists():
+        compiler = os.environ.get("CXX", "g++")
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # compile aside, then rename
+                out = Path(tmp) / lib_path.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True,
+                               capture_output=True, timeout=300)
+                os.replace(out, lib_path)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"cannot compile {SOURCE.name} with {compiler}: {exc}"
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as exc:
+        return None, f"cannot load {lib_path}: {exc}"
+    lib.fp16_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_int]
+    lib.fp16_linear.restype = None
+    return lib, ""
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("DFLASH_TRT_KERNEL_CACHE"):
+        return Path(os.environ["DFLASH_TRT_KERNEL_CACHE"])
+    try:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory (a service account)
+        root = Path(tempfile.gettempdir())
+    return root / "dflash-trt" / "kernels"
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(flags) <= set(line.split())
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """The kernel's shapes: outputs and inputs in multiples of 8."""
+    return out_features % BLOCK == 0 and in_features % BLOCK == 0
+
+
+def blocked(codes: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 weight's E2M1 codes [out, in/2] and E4M3 block scales [out, in/16] -> W16 in the
+    kernel's blocked layout [out/8, in/8, 8, 8] (exact: see the module docstring)."""
+    from dflash_trt.formats.qformats import NVFP4_BLOCK_SIZE, e2m1_decode, unpack_e2m1
+
+    values = e2m1_decode(unpack_e2m1(codes))  # (out, in)
+    out, inp = values.shape
+    w = values.reshape(out, -1, NVFP4_BLOCK_SIZE) * weight_scale.float().unsqueeze(-1)
+    w16 = w.reshape(out, inp).to(torch.float16)
+    return w16.reshape(out // BLOCK, BLOCK, inp // BLOCK, BLOCK).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, w16: torch.Tensor, g: float) -> torch.Tensor:
+    """x (rows, in) float32 @ W.T * g with W16 from `blocked`; rows <= MAX_ROWS is the fast
+    case, any row count is correct."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the float16 CPU kernel is not available here")
+    x = x.contiguous()
+    rows, inp = x.shape
+    out = w16.numel() // inp
+    y = torch.empty(rows, out, dtype=torch.float32)
+    lib.fp16_linear(x.data_ptr(), w16.data_ptr(), g, y.data_ptr(), rows, inp, out,
+                    torch.get_num_threads())
+    return y
