@@ -15,6 +15,11 @@ ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# g++: the torch engine compiles its float16 kernel for NVFP4 weights on first use
+# (toolkit/dflash_trt/dflash/cpu_fp16.py); without a compiler those layers run on oneDNN, slower.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 dflash
 WORKDIR /opt/dflash-trt
 COPY pyproject.toml README.md ./

@@ -27,7 +27,7 @@ for _ in range(args.copies):
     stored = qformats.nvfp4_quantize(torch.randn(1536, 576) * 0.05)
     dense = qformats.nvfp4_dequantize(stored.packed, stored.weight_scale, stored.weight_scale_2)
     layers.append((dense, cpu_linear.pack(dense),
-                   cpu_fp16.blocked(stored.packed, stored.weight_scale),
+                   cpu_fp16.blocked(stored.unscaled()),
                    float(stored.weight_scale_2)))
 fp16 = cpu_fp16.load() is not None
 

@@ -27,9 +27,14 @@ def unblocked(w16: torch.Tensor) -> torch.Tensor:
     return w16.transpose(1, 2).reshape(nb * 8, kb * 8)
 
 
+def test_a_weight_that_float16_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="not exact in float16"):
+        cpu_fp16.blocked(torch.full((8, 16), 1 / 3))
+
+
 def test_float16_holds_the_nvfp4_weight_exactly():
     w = nvfp4(24, 64, seed=0)
-    w16 = unblocked(cpu_fp16.blocked(w.packed, w.weight_scale)).double()
+    w16 = unblocked(cpu_fp16.blocked(w.unscaled())).double()
     values = qf.e2m1_decode(qf.unpack_e2m1(w.packed), torch.float64).reshape(24, -1, 16)
     exact = values * w.weight_scale.double().unsqueeze(-1)  # E2M1 x E4M3, no rounding in float64
     assert torch.equal(w16, exact.reshape(24, 64))
@@ -41,7 +46,7 @@ def test_float16_holds_the_nvfp4_weight_exactly():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
 def test_kernel_matches_float64(out, inp, rows):
     w = nvfp4(out, inp, seed=rows)
-    w16 = cpu_fp16.blocked(w.packed, w.weight_scale)
+    w16 = cpu_fp16.blocked(w.unscaled())
     g = float(w.weight_scale_2)
     x = torch.randn(rows, inp)
     dense = unblocked(w16).double() * g
@@ -54,7 +59,7 @@ def test_kernel_matches_float64(out, inp, rows):
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     w = nvfp4(64, 96, seed=3)
-    w16, g = cpu_fp16.blocked(w.packed, w.weight_scale), float(w.weight_scale_2)
+    w16, g = cpu_fp16.blocked(w.unscaled()), float(w.weight_scale_2)
     x = torch.randn(11, 96)
     together = cpu_fp16.linear(x, w16, g)  # tiles of 4, 4 and 3 rows
     for lo, hi in [(0, 1), (3, 5), (1, 4), (2, 9), (6, 11)]:

@@ -108,15 +108,13 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % BLOCK == 0 and in_features % BLOCK == 0
 
 
-def blocked(codes: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """An NVFP4 weight's E2M1 codes [out, in/2] and E4M3 block scales [out, in/16] -> W16 in the
-    kernel's blocked layout [out/8, in/8, 8, 8] (exact: see the module docstring)."""
-    from dflash_trt.formats.qformats import NVFP4_BLOCK_SIZE, e2m1_decode, unpack_e2m1
-
-    values = e2m1_decode(unpack_e2m1(codes))  # (out, in)
-    out, inp = values.shape
-    w = values.reshape(out, -1, NVFP4_BLOCK_SIZE) * weight_scale.float().unsqueeze(-1)
-    w16 = w.reshape(out, inp).to(torch.float16)
+def blocked(unscaled: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 weight before its weight_scale_2 (formats.qformats.NVFP4Weight.unscaled, [out,
+    in]) -> float16 in the kernel's blocked layout [out/8, in/8, 8, 8]; exact, or ValueError."""
+    out, inp = unscaled.shape
+    w16 = unscaled.to(torch.float16)
+    if not torch.equal(w16.to(unscaled.dtype), unscaled):
+        raise ValueError("the weight is not exact in float16; it is not an NVFP4 weight")
     return w16.reshape(out // BLOCK, BLOCK, inp // BLOCK, BLOCK).transpose(1, 2).contiguous()
 
 

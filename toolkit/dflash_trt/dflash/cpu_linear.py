@@ -49,8 +49,7 @@ class PackedLinear(nn.Module):
         self.fp16 = None  # (W16 blocked, g) where dflash.cpu_fp16 runs the few-row calls
         stored = getattr(inner, "stored", None)
         if stored is not None and cpu_fp16.fits(*inner.weight.shape) and cpu_fp16.load() is not None:
-            self.fp16 = (cpu_fp16.blocked(stored.packed, stored.weight_scale),
-                         float(stored.weight_scale_2))
+            self.fp16 = (cpu_fp16.blocked(stored.unscaled()), float(stored.weight_scale_2))
         if stored is not None:
             inner.stored = None  # read once; it is not needed again
 

@@ -102,6 +102,13 @@ class NVFP4Weight:
     weight_scale: torch.Tensor  # float8_e4m3fn [out, in/16]
     weight_scale_2: torch.Tensor  # fp32 scalar
 
+    def unscaled(self) -> torch.Tensor:
+        """E2M1 value x E4M3 block scale, float32 [out, in]: the weight before weight_scale_2
+        (at most 6 significant bits, in [2^-10, 2688]: exact in float16 as well)."""
+        values = e2m1_decode(unpack_e2m1(self.packed))  # (out, in)
+        blocks = values.reshape(*values.shape[:-1], -1, NVFP4_BLOCK_SIZE)  # (out, in/16, 16)
+        return (blocks * self.weight_scale.float().unsqueeze(-1)).reshape(values.shape)
+
 
 def _compute(x: torch.Tensor) -> torch.Tensor:
     """Quantization math runs in float32, or float64 when the model runs in float64."""
