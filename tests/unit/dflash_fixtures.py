@@ -236,3 +236,18 @@ def write_tiny_checkpoint(path, family: str = "llama", *, seed: int = 0):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def write_tiny_drafter(target, path):
+    """A new drafter for a tiny checkpoint (block size 4, reading target layers 0 and 2), made
+    by the `init-drafter` command as a user would."""
+    from click.testing import CliRunner
+
+    from dflash_trt.commands.engine import COMMANDS
+
+    command = {c.name: c for c in COMMANDS}["init-drafter"]
+    result = CliRunner().invoke(command, ["--target", str(target), "--output", str(path),
+                                          "--block-size", "4", "--target-layer-ids", "0,2",
+                                          "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    return path

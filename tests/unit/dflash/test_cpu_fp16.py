@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from dflash_fixtures import write_tiny_checkpoint
+from dflash_fixtures import write_tiny_checkpoint, write_tiny_drafter
 
 from dflash_trt.dflash import cpu_fp16, cpu_linear
 from dflash_trt.formats import qformats as qf
@@ -117,19 +117,12 @@ def write_nvfp4_checkpoint(path):
 
 
 def test_engine_on_the_kernel_stays_lossless(tmp_path):
-    from click.testing import CliRunner
-
-    from dflash_trt.commands.engine import COMMANDS
     from dflash_trt.engines.base import SamplingParams, collect
     from dflash_trt.engines.torch_engine import TorchEngine
 
     target = write_nvfp4_checkpoint(tmp_path / "target")
-    init = {c.name: c for c in COMMANDS}["init-drafter"]
-    result = CliRunner().invoke(init, ["--target", str(target), "--output",
-                                       str(tmp_path / "drafter"), "--block-size", "4",
-                                       "--target-layer-ids", "0,2", "--seed", "1"])
-    assert result.exit_code == 0, result.output
-    engine = TorchEngine.load(target, tmp_path / "drafter", max_seq_len=256)
+    drafter = write_tiny_drafter(target, tmp_path / "drafter")
+    engine = TorchEngine.load(target, drafter, max_seq_len=256)
     kernels = [m for m in engine.model.modules() if getattr(m, "fp16", None) is not None]
     assert len(kernels) == 4 * 7  # every projection of the 4 decoder layers
     for prompt in ["hello", "The quick brown fox"]:

@@ -7,10 +7,8 @@ import threading
 import time
 
 import pytest
-from click.testing import CliRunner
-from dflash_fixtures import write_tiny_checkpoint
+from dflash_fixtures import write_tiny_checkpoint, write_tiny_drafter
 
-from dflash_trt.commands.engine import COMMANDS
 from dflash_trt.dflash.prefix import common_prefix
 from dflash_trt.engines.base import SamplingParams, collect
 from dflash_trt.engines.scheduler import EngineBusy
@@ -24,12 +22,7 @@ LENGTHS = [30, 12, 45, 8, 25, 33]
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("batching")
     target = write_tiny_checkpoint(root / "target")
-    command = {c.name: c for c in COMMANDS}["init-drafter"]
-    result = CliRunner().invoke(command, ["--target", str(target), "--output",
-                                          str(root / "drafter"), "--block-size", "4",
-                                          "--target-layer-ids", "0,2", "--seed", "1"])
-    assert result.exit_code == 0, result.output
-    return target, root / "drafter"
+    return target, write_tiny_drafter(target, root / "drafter")
 
 
 def wait_idle(engine, timeout_s: float = 10) -> int:

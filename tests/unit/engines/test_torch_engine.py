@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from click.testing import CliRunner
-from dflash_fixtures import byte_tokenizer, write_tiny_checkpoint
+from dflash_fixtures import byte_tokenizer, write_tiny_checkpoint, write_tiny_drafter
 
 from dflash_trt.commands.engine import COMMANDS
 from dflash_trt.engines.base import Engine, SamplingParams, collect
@@ -21,11 +21,7 @@ COMMAND = {c.name: c for c in COMMANDS}
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
     target = write_tiny_checkpoint(root / "target")
-    result = CliRunner().invoke(COMMAND["init-drafter"], [
-        "--target", str(target), "--output", str(root / "drafter"), "--block-size", "4",
-        "--target-layer-ids", "0,2", "--seed", "1"])
-    assert result.exit_code == 0, result.output
-    return target, root / "drafter"
+    return target, write_tiny_drafter(target, root / "drafter")
 
 
 @pytest.fixture(scope="module")
