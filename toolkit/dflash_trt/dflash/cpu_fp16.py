@@ -6,12 +6,15 @@ an E2M1 value times its block's E4M3 scale times the tensor's float32 `weight_sc
 first product has at most 6 significant bits and lies in [2^-10, 2688], so it is exact in float16:
 W = W16 * g with nothing rounded, and `cpu_fp16.cpp` computes x @ W16.T * g from 2 bytes per
 weight. Against the float32 path only the order of the float32 sums differs (as between any two
-matmul kernels); against float64 it is within 1e-6 relative (tests/unit/dflash/test_cpu_fp16.py).
+matmul kernels); against float64 it is within the bound of one float32 sum of exact products
+(tests/unit/dflash/test_cpu_fp16.py).
 
-Each row's result is the same whichever rows share the call (the kernel's sum order does not
-depend on them), so up to MAX_ROWS rows a batched step computes each row's linear layers exactly
-as a batch of one would. Beyond MAX_ROWS (prefill, wide verify forwards) the weights' bytes no
-longer set the time and oneDNN's packed float32 kernel is faster (dflash.cpu_linear).
+The kernel is register-blocked: a weight it converts serves up to 6 rows at once, so a verify
+forward of 16 or 32 tokens costs far less than 2 or 4 of 8 (1.9x the seconds of 8 rows at 32,
+where oneDNN takes 2.9x; docs/benchmarks.md). Each row's result is the same whichever rows share
+the call (the kernel's sum order does not depend on them), so up to MAX_ROWS rows a batched step
+computes each row's linear layers exactly as a batch of one would. Beyond MAX_ROWS (prompt chunks)
+oneDNN's packed float32 kernel is as fast (dflash.cpu_linear).
 
 The kernel is compiled on first use with the system's C++ compiler ($CXX, else g++) into
 $DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and runs on the OpenMP runtime
@@ -34,9 +37,10 @@ from pathlib import Path
 import torch
 
 # Up to this many rows the float16 kernel beats oneDNN's packed float32 one on the 2-core EPYC
-# this project measures on (scripts/cpu_linear_bench.py, docs/benchmarks.md).
-MAX_ROWS = 8
-BLOCK = 8  # outputs per weight block (cpu_fp16.cpp)
+# this project measures on (scripts/cpu_linear_bench.py, docs/benchmarks.md: 1137 against 1661 us
+# at 32 rows, even at 64).
+MAX_ROWS = 32
+PANEL = 16  # outputs per weight panel (cpu_fp16.cpp)
 SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
@@ -104,18 +108,19 @@ def _cpu_has(*flags: str) -> bool:
 
 
 def fits(out_features: int, in_features: int) -> bool:
-    """The kernel's shapes: outputs and inputs in multiples of 8."""
-    return out_features % BLOCK == 0 and in_features % BLOCK == 0
+    """The kernel's shapes: outputs in multiples of 16."""
+    return out_features % PANEL == 0 and in_features > 0
 
 
 def blocked(unscaled: torch.Tensor) -> torch.Tensor:
     """An NVFP4 weight before its weight_scale_2 (formats.qformats.NVFP4Weight.unscaled, [out,
-    in]) -> float16 in the kernel's blocked layout [out/8, in/8, 8, 8]; exact, or ValueError."""
+    in]) -> float16 in the kernel's layout, panels of 16 outputs [out/16, in, 16]; exact, or
+    ValueError."""
     out, inp = unscaled.shape
     w16 = unscaled.to(torch.float16)
     if not torch.equal(w16.to(unscaled.dtype), unscaled):
         raise ValueError("the weight is not exact in float16; it is not an NVFP4 weight")
-    return w16.reshape(out // BLOCK, BLOCK, inp // BLOCK, BLOCK).transpose(1, 2).contiguous()
+    return w16.reshape(out // PANEL, PANEL, inp).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, w16: torch.Tensor, g: float) -> torch.Tensor:
