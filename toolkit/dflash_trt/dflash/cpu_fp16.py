@@ -9,12 +9,14 @@ weight. Against the float32 path only the order of the float32 sums differs (as 
 matmul kernels); against float64 it is within the bound of one float32 sum of exact products
 (tests/unit/dflash/test_cpu_fp16.py).
 
-The kernel is register-blocked: a weight it converts serves up to 6 rows at once, so a verify
-forward of 16 or 32 tokens costs far less than 2 or 4 of 8 (1.9x the seconds of 8 rows at 32,
-where oneDNN takes 2.9x; docs/benchmarks.md). Each row's result is the same whichever rows share
-the call (the kernel's sum order does not depend on them), so up to MAX_ROWS rows a batched step
-computes each row's linear layers exactly as a batch of one would. Beyond MAX_ROWS (prompt chunks)
-oneDNN's packed float32 kernel is as fast (dflash.cpu_linear).
+The kernel is register-blocked (outer products, as GEMM kernels are): a weight it converts serves
+a tile of up to 6 rows x 16 outputs held in registers, so calls of many rows (a wide verify
+forward, a batch) convert each weight once per 6 rows: at 32 rows it took 0.56x the seconds of
+the kernel before it (dot products, tiles of 4 rows x 2 outputs) on one machine and 0.75x on
+another, and beat oneDNN on both (docs/benchmarks.md, session 21). Each row's
+result is the same whichever rows share the call (the kernel's sum order does not depend on
+them), so up to MAX_ROWS rows a batched step computes each row's linear layers exactly as a batch
+of one would. Beyond MAX_ROWS (prompt chunks) oneDNN's packed float32 kernel runs.
 
 The kernel is compiled on first use with the system's C++ compiler ($CXX, else g++) into
 $DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and runs on the OpenMP runtime
@@ -37,8 +39,8 @@ from pathlib import Path
 import torch
 
 # Up to this many rows the float16 kernel beats oneDNN's packed float32 one on the 2-core EPYC
-# this project measures on (scripts/cpu_linear_bench.py, docs/benchmarks.md: 1137 against 1661 us
-# at 32 rows, even at 64).
+# this project measured on (scripts/cpu_linear_bench.py, docs/benchmarks.md session 21: 1137
+# against 1661 us at 32 rows on a Zen 1 EPYC, 320 against 339 on a Zen 4; about even at 64).
 MAX_ROWS = 32
 PANEL = 16  # outputs per weight panel (cpu_fp16.cpp)
 SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
