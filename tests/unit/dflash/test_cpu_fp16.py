@@ -102,6 +102,15 @@ def test_switched_off_the_layer_stays_on_onednn(monkeypatch):
     assert packed.fp16 is None
 
 
+def test_a_layer_whose_outputs_do_not_fill_panels_stays_on_onednn():
+    layer = quant_layer(40, 64, seed=6)  # 40 outputs: not a multiple of the kernel's 16
+    assert not cpu_fp16.fits(40, 64) and cpu_fp16.fits(48, 64)
+    packed = cpu_linear.PackedLinear(layer)
+    assert packed.fp16 is None
+    x = torch.randn(3, 64)
+    assert torch.allclose(packed(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+
+
 def write_nvfp4_checkpoint(path):
     """The tiny target with its decoder layers' linear weights stored as W4A16_NVFP4."""
     from safetensors.torch import load_file, save_file
