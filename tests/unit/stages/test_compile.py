@@ -87,6 +87,38 @@ def test_adaptive_draft_length_ships_the_cost_model_measured_at_build(built):
     assert not (out / COST_MODEL_FILE).exists() and load_engine(out).cost_model is None
 
 
+def test_the_build_measures_a_batching_engines_cost_model_on_its_own_thread(built, monkeypatch):
+    """The build's thread owns an OpenMP team from quantize and verify; measuring on a second
+    thread with a team of its own put the process over its cores and inflated every forward
+    (33.5 ms against 21 ms served, one token, the CPU default). A server's loader thread still
+    measures apart."""
+    import threading
+
+    from dflash_trt.engines import cost_model
+
+    threads = []
+    real = cost_model.measure
+
+    def spy(engine, **kwargs):
+        threads.append(threading.current_thread())
+        return real(engine, **kwargs)
+
+    monkeypatch.setattr(cost_model, "measure", spy)
+    root, recipe = built
+    batching = recipe.model_copy(update={"engine": recipe.engine.model_copy(
+        update={"max_batch_size": 2})})
+    out, _ = compile_to(batching, "engine-batching")
+    assert threads == [threading.current_thread()]
+
+    (out / cost_model.COST_MODEL_FILE).unlink()
+    engine = load_engine(out)  # as the Triton model loads it
+    try:
+        assert len(threads) == 2 and threads[1] is not threading.current_thread()
+        assert engine.cost_model is not None
+    finally:
+        engine.close()
+
+
 def test_adaptive_engines_carry_the_verify_calibration(built):
     import json
 

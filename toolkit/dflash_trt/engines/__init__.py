@@ -8,10 +8,16 @@ from dflash_trt.engines.base import Engine
 from dflash_trt.engines.spec import EngineSpec
 
 
-def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
+def load_engine(engine_dir: Path, *, device: str | None = None,
+                measure_here: bool = False) -> Engine:
     """Build the engine an `engine/` directory describes (engine.yaml picks the backend).
 
     `device` overrides engine.yaml's device (the Triton model passes the instance's GPU).
+    `measure_here`: a cost model to measure is measured on the calling thread, for a caller
+    whose thread already owns its OpenMP team (the build, after quantize and verify): a second
+    team on another thread would put the process over its cores, and every forward measured
+    would wait on sleeping workers (a build measured one-token forwards at 33.5 ms that take
+    21 ms when served).
     """
     engine_dir = Path(engine_dir)
     spec = EngineSpec.read(engine_dir)
@@ -36,7 +42,7 @@ def load_engine(engine_dir: Path, *, device: str | None = None) -> Engine:
 
         # The stored cost model when it was measured on this device kind, else measured now;
         # for a batching CPU engine off this thread, which must not start an OpenMP team.
-        if engine.device == "cpu" and engine.max_batch_size > 1:
+        if engine.device == "cpu" and engine.max_batch_size > 1 and not measure_here:
             engine.cost_model = cpu_threads.apart(engine.threads, cost_model_for, engine,
                                                   engine_dir)
         else:

@@ -144,7 +144,7 @@ def smoke_test(engine_dir: Path, spec: EngineSpec) -> dict:
 
     device = build_device(spec.device, "cpu")
     start = time.perf_counter()
-    engine = load_engine(engine_dir, device=device)
+    engine = load_engine(engine_dir, device=device, measure_here=True)
     if engine.cost_model is not None:  # measured on the build device by load_engine
         engine.cost_model.write(engine_dir)
     ids = engine.tokenize(SMOKE_PROMPT, chat=False)
