@@ -49,7 +49,11 @@ def test_train_drafter_one_and_two_processes(tmp_path):
     first = _args(tmp_path, one)
     first[first.index("--steps") + 1] = "2"
     subprocess.run([cli, *first], check=True, env=env, timeout=900)
-    subprocess.run([cli, *_args(tmp_path, one), "--resume"], check=True, env=env, timeout=900)
+    resumed = subprocess.run([cli, *_args(tmp_path, one), "--resume"], check=True, env=env,
+                             timeout=900, capture_output=True, text=True)
+    # Not a terminal: plain lines for each evaluation and the finished training, not only a bar.
+    assert "held-out acceptance" in resumed.stdout and "at step 4" in resumed.stdout
+    assert "training: 4/4 (100%)" in resumed.stdout
     report = json.loads((one / "drafter" / "training_report.json").read_text())
     assert report["processes"] == 1 and report["steps"] == 4
     assert report["data"]["samples"]["builtin:self-chat"] == 2

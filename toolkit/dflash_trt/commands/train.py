@@ -270,13 +270,13 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash_trt.commands.progress_lines import LoggedProgress
     from dflash_trt.dflash.drafter import DFlashDraftModel
     from dflash_trt.dflash.drafter_init import init_drafter_for_target
     from dflash_trt.dflash.target import HFTarget
@@ -331,7 +331,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     target = HFTarget(model, drafter.target_layer_ids)
     pad_id = tokenizer.pad_token_id or 0
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    with LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                   transient=False, disable=rank != 0) as progress:
         # 2-3. Data and target features: one writer (rank 0) under torchrun, the others wait.
@@ -381,10 +381,14 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
                     + (f"  accept {tau:.2f}" if tau is not None else "")))
             elif isinstance(event, EvalStats):
                 last_eval["tau"] = event.acceptance_length
-                if keep_best and (best["tau"] is None or event.acceptance_length > best["tau"]):
+                better = best["tau"] is None or event.acceptance_length > best["tau"]
+                if keep_best and better:
                     best.update(tau=event.acceptance_length, step=event.step,
                                 state={k: v.detach().clone() for k, v in drafter.state_dict().items()})
                     _save_best(out / BEST, drafter, best)  # outlives the process, for --resume
+                progress.console.log(f"held-out acceptance {event.acceptance_length:.3f} at step "
+                                     f"{event.step}" + ("  (best, kept)" if keep_best and better
+                                                        else ""))
             elif isinstance(event, CheckpointSaved):
                 progress.console.log(f"checkpoint at step {event.step}: {event.path}")
 
