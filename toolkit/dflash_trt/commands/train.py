@@ -332,8 +332,8 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
     pad_id = tokenizer.pad_token_id or 0
 
     with LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                  transient=False, disable=rank != 0) as progress:
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                        TimeRemainingColumn(), transient=False, disable=rank != 0) as progress:
         # 2-3. Data and target features: one writer (rank 0) under torchrun, the others wait.
         cache = out / "cache"
         if rank == 0:
