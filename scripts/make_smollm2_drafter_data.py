@@ -1,7 +1,8 @@
 """The training and held-out data of recipes/assets/smollm2-135m-dflash: SmolLM2's own answers.
 
     .venv/bin/python scripts/make_smollm2_drafter_data.py DATA_DIR [--parts code,self-chat]
-        [--self-chat N] [--heldout-chat N] [--seed S] [--dtype float32|bfloat16] [--threads T]
+        [--self-chat N] [--heldout-chat N] [--seed S] [--openers] [--dtype float32|bfloat16]
+        [--threads T]
 
 writes, into DATA_DIR (resumable: answers and prompts already there are kept):
 - part `code`:
@@ -12,7 +13,8 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
   - stdlib-functions.jsonl  77 documented standard-library functions as plain text
 - part `self-chat`:
   - self-chat-turns.jsonl, heldout-chat-turns.jsonl   user turns the target wrote (seeds 0, 1;
-                            at most 64 tokens, temperature 1, top-p 0.95)
+                            at most 64 tokens, temperature 1, top-p 0.95; --openers: each
+                            train turn begins with one of corpus.OPENERS)
   - self-chat-answers.jsonl      answers to N of them (train), less any that quotes an
                                  evaluation prompt (answers/ keeps every answer, the cache)
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
@@ -86,9 +88,9 @@ def code_part(out: Path, model, tokenizer, t0: float) -> None:
 
 
 def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: int,
-                   seed: int = 0) -> None:
+                   seed: int = 0, openers: tuple[str, ...] = ()) -> None:
     train = corpus.write_user_turns(model, tokenizer, count, out / "self-chat-turns.jsonl",
-                                    seed=seed, max_new_tokens=64,
+                                    seed=seed, max_new_tokens=64, openers=openers,
                                     on_batch=lambda d, t: log(t0, "train turns", d, t))
     held = corpus.write_user_turns(model, tokenizer, heldout, out / "heldout-chat-turns.jsonl",
                                    seed=1, max_new_tokens=64, exclude=train,
@@ -152,6 +154,9 @@ def main() -> None:
     parser.add_argument("--heldout-chat", type=int, default=64, help="held-out prompts to write")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the train prompts (the held-out ones use 1; not 1)")
+    parser.add_argument("--openers", action="store_true",
+                        help="self-chat: each train turn starts with one of corpus.OPENERS "
+                             "(requests, not the stories a bare user prefix mostly gets)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the target's dtype while it writes and answers (bfloat16: about "
                              "2x faster on a CPU with native bf16; the labels train-drafter "
@@ -172,7 +177,7 @@ def main() -> None:
         code_part(args.out, model, tokenizer, t0)
     if "self-chat" in parts:
         self_chat_part(args.out, model, tokenizer, t0, args.self_chat, args.heldout_chat,
-                       args.seed)
+                       args.seed, corpus.OPENERS if args.openers else ())
     if "rehearsal" in parts:
         rehearsal_part(args.out, model, tokenizer, t0, args.rehearsal)
     if "restated" in parts:

@@ -244,3 +244,28 @@ def test_feature_stores_are_reused_for_the_same_sequences_only(tmp_path):
     assert _reusable(store, key) and _reusable(store, key, topk=4)
     assert not _reusable(store, key, topk=8)  # lacks the soft labels asked for
     assert not _reusable(store, _content_key(tmp_path, [1, 3], seqs))
+
+
+def test_openers_start_the_turns_in_turn_left_padded(tmp_path):
+    class EchoWriter(ScriptedWriter):
+        """Records each row it is given and continues it with " more, please.<end>"."""
+
+        def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id,
+                     pad_token_id, **sampling):
+            import torch
+
+            self.calls.append((input_ids.tolist(), attention_mask.tolist()))
+            more = torch.tensor([[ord(c) for c in " more, please."] + [eos_token_id]] * len(input_ids))
+            return torch.cat([input_ids, more], dim=1)
+
+    writer = EchoWriter([])
+    got = corpus.write_user_turns(writer, TurnTokenizer(), 5, tmp_path / "t.jsonl", batch_size=3,
+                                  openers=("Why", "Explain"))
+    # Row i of batch b takes opener (b * 3 + i) mod 2: Why, Explain, Why | Explain, Why, ...
+    assert got == ["Why more, please.", "Explain more, please."]  # the rest repeat them: dropped as duplicates
+    (ids, mask), _ = writer.calls[0], writer.calls[1]
+    prefix = TurnTokenizer()(corpus.user_turn_prefix(TurnTokenizer()))["input_ids"]
+    assert ids[1] == prefix + [ord(c) for c in "Explain"]
+    assert ids[0] == [2] * 4 + prefix + [ord(c) for c in "Why"]  # left-padded with the pad id
+    assert mask[0] == [0] * 4 + [1] * (len(ids[0]) - 4) and all(mask[1])
+    assert writer.calls[1][0][0][-7:] == [ord(c) for c in "Explain"]  # batch 1 starts at row 3

@@ -300,6 +300,16 @@ def _generate(model, ids, mask, *, max_new_tokens: int, eos: int, pad: int,
                               eos_token_id=eos, pad_token_id=pad, **sampling)
 
 
+def _left_padded(rows: Sequence[Sequence[int]], pad: int):
+    """(ids, attention mask), each (len(rows), longest row), the rows padded on the left."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
 def _stop_and_pad(tokenizer) -> tuple[int, int]:
     eos = tokenizer.eos_token_id
     return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -315,7 +325,6 @@ def answer_prompts(model, tokenizer, prompts: Sequence[str], cache_file: Path, *
     Rows: {"key", "prompt", "response", "response_ids"}; the ids end with the stop token when the
     target stopped before max_new_tokens. `on_batch(done, total, new_tokens)` reports progress.
     """
-    import torch
 
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     done = {row["key"]: row for row in _read_rows(cache_file)}
@@ -330,9 +339,8 @@ def answer_prompts(model, tokenizer, prompts: Sequence[str], cache_file: Path, *
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]
             rows = [chat_prompt_ids(tokenizer, p) for p in batch]
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # (b, W) left-padded
-            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            ids, mask = _left_padded(rows, pad)
+            width = ids.shape[1]
             batch_seed = int(key(batch[0])[:8], 16) ^ seed
             gen = _generate(model, ids, mask, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
                             temperature=temperature, top_p=top_p, seed=batch_seed)
@@ -367,16 +375,28 @@ def user_turn_prefix(tokenizer) -> str:
     return _render_user_turn(tokenizer, _MARKER).split(_MARKER)[0]
 
 
+# How users' requests to an assistant commonly begin (imperatives and questions), for
+# write_user_turns(openers=...): a small model given only the bare user prefix mostly writes
+# stories and fragments, not requests. Several are also how `builtin:chat` prompts begin, as they
+# are how most requests begin; no evaluation prompt is a training prompt either way (the guards).
+OPENERS = ("Write", "Explain", "Describe", "Give me", "List", "What is", "What are", "How do I",
+           "How does", "Why", "Can you", "Tell me", "Summarize", "Suggest", "Compare", "Create",
+           "Help me", "I need", "Rewrite", "Recommend", "Name", "Plan", "Which", "Should I")
+
+
 def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: int = 0,
                      max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95,
                      batch_size: int = 32, exclude: Iterable[str] = (),
-                     on_batch=None) -> list[str]:
+                     openers: Sequence[str] = (), on_batch=None) -> list[str]:
     """Up to `count` distinct chat prompts the target writes itself: given its chat template's
     user prefix, it samples the user's turn (batch b seeded with seed and b: reproducible, and
     resumed from `cache_file`, one line per batch). A turn is kept when it ends within
     max_new_tokens, has 12+ characters, is new (without case and spacing, also against `exclude`)
-    and holds no evaluation prompt. Gives up after count / batch_size * 4 batches."""
-    import torch
+    and holds no evaluation prompt. Gives up after count / batch_size * 4 batches.
+
+    openers: the turn starts with one of them, in turn (row i of batch b takes opener
+    (b * batch_size + i) mod len), and the target writes the rest: requests of the kinds users
+    send (OPENERS) rather than whatever the bare user prefix leads a small model to."""
 
     if count <= 0:
         return []
@@ -392,12 +412,17 @@ def write_user_turns(model, tokenizer, count: int, cache_file: Path, *, seed: in
             if len(kept) >= count:
                 break
             if b not in batches:
-                ids = torch.tensor([prefix] * batch_size)
-                gen = _generate(model, ids, torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                starts = [openers[(b * batch_size + i) % len(openers)] if openers else ""
+                          for i in range(batch_size)]
+                rows = [prefix + tokenizer(s, add_special_tokens=False)["input_ids"]
+                        for s in starts]
+                ids, mask = _left_padded(rows, pad)
+                gen = _generate(model, ids, mask, max_new_tokens=max_new_tokens,
                                 eos=eos, pad=pad, temperature=temperature, top_p=top_p,
                                 seed=seed * 1_000_003 + b)
-                turns = [tokenizer.decode(new[:new.index(eos)], skip_special_tokens=True)
-                         if eos in new else None for new in gen[:, len(prefix):].tolist()]
+                turns = [start + tokenizer.decode(new[:new.index(eos)], skip_special_tokens=True)
+                         if eos in new else None
+                         for start, new in zip(starts, gen[:, ids.shape[1]:].tolist(), strict=True)]
                 out.write(json.dumps({"batch": b, "turns": turns}) + "\n")
                 out.flush()
                 batches[b] = turns
