@@ -8,8 +8,8 @@
 # would replace the container's CUDA torch with a pinned CPU-era one).
 #
 #   docker build -f docker/build.Dockerfile -t dflash-trt-build:0.1.0 .
-#   docker run --gpus all -v $PWD/build:/workspace/build dflash-trt-build:0.1.0 \
-#       build /opt/dflash-trt/recipes/qwen3-8b-nvfp4-b200.yaml
+#   docker run --gpus all --shm-size=16g -v $PWD:/workspace dflash-trt-build:0.1.0 \
+#       build /workspace/recipes/qwen3-8b-nvfp4-b200.yaml
 FROM nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27
 
 # Fail the image build, not the first model load, if the base lacks DFlash.

@@ -40,4 +40,5 @@ EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4)"]
 ENTRYPOINT ["dflash-trt"]
-CMD ["serve", "/opt/dflash-trt/build/smollm2-135m-cpu/triton_repo", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+# All interfaces: `docker run -p` forwards to the container's address, not its loopback.
+CMD ["serve", "/opt/dflash-trt/build/smollm2-135m-cpu/triton_repo", "--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]

@@ -185,6 +185,8 @@ def test_cpu_image_serves_the_repository_its_build_writes():
     assert cmd[0] == "serve"
     assert Path(cmd[1]) == workdir / out / recipe.name / "triton_repo"
     assert {int(cmd[cmd.index(f"--{p}-port") + 1]) for p in ("http", "grpc", "metrics")} == PORTS
+    # `serve` binds the loopback by default; `docker run -p` forwards to the container's address.
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
 
 def test_deployment_ports_probes_and_service_agree():
@@ -330,6 +332,30 @@ def test_train_job_runs_a_valid_train_drafter_under_torchrun():
     claims = [v["persistentVolumeClaim"]["claimName"] for v in job["spec"]["template"]["spec"]
               ["volumes"] if "persistentVolumeClaim" in v]
     assert claims == [resource("PersistentVolumeClaim")["metadata"]["name"]]
+
+
+def test_train_job_starts_on_a_fresh_volume_and_resumes_on_a_used_one(tmp_path):
+    job = yaml.safe_load(TRAIN_JOB.read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    out = re.search(r"OUT=(\S+) &&", container["args"][0]).group(1)
+    script = container["args"][0].replace(out, str(tmp_path / "out"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("torchrun", 'echo "torchrun $*"'), ("dflash-trt", "exit 0")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def launch() -> str:
+        run = subprocess.run([*container["command"], script], env=env, capture_output=True,
+                             text=True, check=True)
+        assert run.stdout.startswith("torchrun --standalone"), run.stdout + run.stderr
+        return run.stdout
+
+    assert "--resume" not in launch()  # used to exit 1 here: `RESUME=$(test -f ...)` failed
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint.pt").write_bytes(b"")
+    assert " --resume" in launch()
 
 
 def test_train_job_validates():

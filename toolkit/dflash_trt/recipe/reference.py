@@ -34,6 +34,8 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{a}`" for a in get_args(annotation))
     if origin is list:
         return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
     if origin is Annotated:
         return _type_name(args[0])
     return " or ".join(_type_name(a) for a in args)
