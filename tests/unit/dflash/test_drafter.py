@@ -100,6 +100,27 @@ def test_draft_vocabulary_is_saved_beside_the_reference_weights(tmp_path):
     assert DFlashDraftModel.from_pretrained(tmp_path).draft_vocab is None
 
 
+def test_an_interrupted_save_leaves_the_previous_drafter_whole(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    drafter = tiny_drafter(tiny_target(), block_size=4, target_layer_ids=[0, 3])
+    drafter.set_draft_vocab(torch.tensor([1, 2, 5]))
+    out = tmp_path / "drafter"
+    drafter.save_pretrained(out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors", "draft_vocab.json"}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # config.json written, the weights not yet
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    drafter.to(torch.bfloat16)  # a config.json of its own
+    with pytest.raises(KeyboardInterrupt):
+        drafter.save_pretrained(out)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]  # nothing left beside it
+
+
 def test_injected_context_in_pieces_equals_all_at_once():
     """KV injection through the cache: context fed in two steps drafts the same block."""
     drafter = tiny_drafter(tiny_target(), block_size=4, target_layer_ids=[0, 3])

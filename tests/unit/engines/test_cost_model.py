@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -76,6 +78,13 @@ def test_round_trip_and_reuse_on_the_same_device(engine, tmp_path):
     model.write(tmp_path)
     assert CostModel.read(tmp_path) == model
     assert cost_model_for(engine, tmp_path) == model  # same device kind and dtype: trusted
+    # Rewritten as a new file: a hard-linked copy (the Triton repository's engine/) keeps its own.
+    linked = tmp_path / "repo"
+    linked.mkdir()
+    os.link(tmp_path / COST_MODEL_FILE, linked / COST_MODEL_FILE)
+    dataclasses.replace(model, device="elsewhere").write(linked)
+    assert CostModel.read(tmp_path) == model
+    assert CostModel.read(linked).device == "elsewhere"
 
 
 def test_a_batching_engine_measures_its_batch_sizes_and_interpolates(engine, tmp_path):
@@ -181,7 +190,6 @@ def test_a_batching_cpu_engine_measures_its_costs_off_the_loading_thread(engine_
     """The loading thread must not start an OpenMP team beside the scheduler's
     (engines.cpu_threads): a cost model measured at load runs on a thread of its own, with the
     engine's thread count; a batch-1 engine measures on the caller's thread."""
-    import dataclasses
     import shutil
     import threading
 

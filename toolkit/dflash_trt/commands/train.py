@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from dflash_trt.errors import DflashTrtError, UsageError
+from dflash_trt.files import replacing_dir, write_atomic
 from dflash_trt.prompts import SELF_CHAT
 
 
@@ -142,8 +143,8 @@ def prepare_data(progress, model, tokenizer, target, samples, held_samples, cach
         feat_task = progress.add_task("target features", total=sum(len(s.ids) for s in seqs),
                                       info="tokens")
         build_store(target, seqs, store_dir, pad_id=pad_id, sources=data, topk=topk, key=key,
+                    extra_files={"corpus.json": json.dumps(asdict(stats)) + "\n"},
                     on_progress=lambda n: progress.advance(feat_task, n))
-        (store_dir / "corpus.json").write_text(json.dumps(asdict(stats)) + "\n")
     held_dir = None
     if held_samples:
         held_seqs = list(corpus.tokenize_samples(held_samples, tokenizer,
@@ -343,7 +344,7 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
                 max_samples=max_samples, max_len=max_len, max_new_tokens=max_new_tokens,
                 answer_temperature=answer_temperature, seed=seed, pad_id=pad_id,
                 topk=distill_topk)
-            (cache / "stores.json").write_text(json.dumps(stores) + "\n")
+            write_atomic(cache / "stores.json", json.dumps(stores) + "\n")
         barrier()
         stores = json.loads((cache / "stores.json").read_text())
         store = FeatureStore(Path(stores["train"]))
@@ -415,7 +416,6 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
 
     if best["state"] is not None:
         drafter.load_state_dict(best["state"])  # the written drafter is the best evaluated one
-    copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(out / "drafter")
     final = estimate_acceptance(drafter, embed, head, held_store, max_new_tokens=max_new_tokens,
                                 stop_token_ids=stop_ids) if held_store is not None else None
     report = {
@@ -431,8 +431,10 @@ def train_drafter(target_src, drafter_src, layers, target_layer_ids, init_from_t
         "heldout_acceptance": asdict(final) if final else None,
         "written_step": best["step"] if best["state"] is not None else trainer.step,
     }
-    (out / "drafter" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_curves(history, out / "drafter" / "training_curves.png")
+    with replacing_dir(out / "drafter") as written:  # in place with its report and curves, or not
+        copy.deepcopy(drafter).cpu().to(getattr(torch, save_dtype)).eval().save_pretrained(written)
+        (written / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_curves(history, written / "training_curves.png")
     if best["state"] is not None:
         click.echo(f"best held-out acceptance {best['tau']:.2f} at step {best['step']}")
     click.echo(f"drafter written to {out / 'drafter'}"
@@ -443,14 +445,9 @@ BEST = "best"  # OUTPUT/best/: the best evaluated drafter so far (--keep-best), 
 
 
 def _save_best(path: Path, drafter, best: dict) -> None:
-    import shutil
-
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
-    (tmp / "best.json").write_text(json.dumps({"step": best["step"], "tau": best["tau"]}) + "\n")
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    with replacing_dir(path) as tmp:  # the drafter and best.json go in place together
+        drafter.save_pretrained(tmp)
+        (tmp / "best.json").write_text(json.dumps({"step": best["step"], "tau": best["tau"]}) + "\n")
 
 
 def _load_best(path: Path, step: int) -> dict:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.files import replacing_dir
 
 ARCHITECTURE = "DFlashDraftModel"
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -344,23 +345,24 @@ class DFlashDraftModel(nn.Module):
             x = layer.forward_ops(x, cos[num_ctx:], sin[num_ctx:], cache, ops)
         return self.norm(x)  # (1, T, H)
 
-    def save_pretrained(self, out: Path | str) -> None:
-        """Write config.json and model.safetensors in the reference format."""
+    def save_pretrained(self, path: Path | str) -> None:
+        """Write config.json, model.safetensors and draft_vocab.json (if it drafts over part of
+        the vocabulary) in the reference format. The directory is replaced whole (filled beside
+        it, then renamed): an interrupted save leaves the previous drafter or none, never a mix."""
         from safetensors.torch import save_file
 
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in self.config.to_dict().items() if k not in _CONFIG_NOISE}
         config["architectures"] = [ARCHITECTURE]
         config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta")  # older readers
         config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        if self.draft_vocab is not None:
-            write_draft_vocab(out, self.draft_vocab.tolist())
-        else:
-            (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # never a stale one from an older save
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing_dir(path) as out:
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+            if self.draft_vocab is not None:
+                write_draft_vocab(out, self.draft_vocab.tolist())
 
     @classmethod
     def from_pretrained(cls, path: Path | str, *, state_dict: dict | None = None,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dflash_trt.dflash.draft_length import StepCosts
 from dflash_trt.errors import DflashTrtError
+from dflash_trt.files import write_atomic
 
 COST_MODEL_FILE = "cost_model.json"
 # The drafter's confidence -> measured acceptance (dflash.acceptance.calibration_points), written
@@ -79,7 +80,9 @@ class CostModel:
         data = asdict(self)
         data["costs"] = _costs_json(self.costs)
         data["batches"] = {str(n): _costs_json(c) for n, c in sorted(self.batches.items())}
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        # A new file, not a rewrite: readers never see half of it, and a copy hard-linked from it
+        # (the Triton repository's engine/) keeps the cost model it had.
+        write_atomic(path, json.dumps(data, indent=2) + "\n")
         return path
 
     @classmethod

@@ -15,7 +15,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from dflash_trt import __version__
 from dflash_trt.errors import DflashTrtError, NotImplementedStage, UsageError
+from dflash_trt.files import install_dir, temp_dir_for, write_atomic
 from dflash_trt.recipe import Recipe
 
 MANIFEST = "manifest.json"
@@ -190,13 +190,6 @@ def read_manifest(build_dir: Path) -> dict:
         return {"stages": {}}  # a damaged manifest only means every stage reruns
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file via a temporary sibling and rename, so readers never see half of it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _write_manifest(build_dir: Path, manifest: dict) -> None:
     write_atomic(build_dir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
@@ -275,15 +268,6 @@ def _clean_leftovers(build_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _install(tmp: Path, final: Path) -> None:
-    """Put a finished stage output in place: old aside, new in, old gone."""
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def select_stages(only: Sequence[str] = (), stages: Sequence[StageSpec] = STAGES) -> list[str]:
     for name in only:
         stage_by_name(name, stages)
@@ -345,9 +329,7 @@ def _run_stage(spec: StageSpec, recipe: Recipe, build_dir: Path, manifest: dict,
         "inputs": inputs,
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    tmp = build_dir / f".{spec.output}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_dir_for(build_dir / spec.output)
     t0 = time.perf_counter()
     ctx = StageContext(recipe=recipe, build_dir=build_dir, out=tmp, rich_progress=rich_progress,
                        stages=stages)
@@ -364,7 +346,7 @@ def _run_stage(spec: StageSpec, recipe: Recipe, build_dir: Path, manifest: dict,
         _write_manifest(build_dir, manifest)
         raise
     final = build_dir / spec.output
-    _install(tmp, final)
+    install_dir(tmp, final)
     outputs = fingerprint_tree(final)
     entry.update(status="ok", seconds=round(time.perf_counter() - t0, 3), info=info,
                  outputs=outputs, output_hash=_sha(outputs))

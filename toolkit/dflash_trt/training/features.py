@@ -95,10 +95,12 @@ def _pad(seqs: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
 def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: Path, *,
                 batch_size: int = 8, pad_id: int = 0, sources: Sequence[str] = (),
                 dtype: str = "float16", topk: int = 0, key: str | None = None,
+                extra_files: dict[str, str] | None = None,
                 on_progress: Callable[[int], None] | None = None) -> FeatureStore:
     """Run the target over the sequences and write a FeatureStore at out_dir (atomically);
     topk > 0 also stores the target's top-k next tokens and log-probabilities per position; key
-    (if given) is recorded in meta.json, for callers that reuse a store made from the same data."""
+    (if given) is recorded in meta.json, for callers that reuse a store made from the same data;
+    extra_files ({name: text}) are the caller's own, written into the store with it."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,6 +153,8 @@ def build_store(target: HFTarget, sequences: Iterable[TokenSequence], out_dir: P
     if key is not None:
         meta["key"] = key
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return FeatureStore(out_dir)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_trt.errors import DflashTrtError
+from dflash_trt.errors import DflashTrtError, UsageError
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -441,24 +441,25 @@ class Trainer:
         }
         path = self.out_dir / CHECKPOINT
         tmp = path.with_suffix(".tmp")
+        step_dir = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
+        self.drafter.save_pretrained(step_dir)  # before the checkpoint that moves past it
         torch.save(state, tmp)
         os.replace(tmp, path)
-        step_dir = self.out_dir / "checkpoints" / f"step-{self.step:06d}"
-        self.drafter.save_pretrained(step_dir)
         return path
 
     def load_checkpoint(self, path: Path | None = None) -> int:
         """Restore a run saved by save_checkpoint; the hyperparameters must match (but steps)."""
         path = Path(path or self.out_dir / CHECKPOINT)
         if not path.is_file():
-            raise DflashTrtError(f"--resume: no checkpoint at {path}; start without --resume")
-        state = torch.load(path, map_location=self.device, weights_only=False)
+            raise UsageError(f"--resume: no checkpoint at {path}; start without --resume")
+        # Tensors and plain containers only: a checkpoint cannot run code when it is loaded.
+        state = torch.load(path, map_location=self.device, weights_only=True)
         saved = dict(state["config"])
         now = asdict(self.config)
         differ = [k for k in now if k not in ("steps", "checkpoint_every", "eval_every")
                   and saved.get(k) != now[k]]
         if differ:
-            raise DflashTrtError(f"--resume: settings differ from the checkpoint "
+            raise UsageError(f"--resume: settings differ from the checkpoint "
                                  f"({', '.join(f'{k}: {saved.get(k)} -> {now[k]}' for k in differ)});"
                                  " resume with the same settings or start a new --output")
         self.drafter.load_state_dict(state["model"])
