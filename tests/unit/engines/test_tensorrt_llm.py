@@ -337,6 +337,20 @@ def test_read_engine_dir_resolves_paths_against_it(tmp_path):
     assert files.max_seq_len == 8192  # llm_api_options wins over engine.yaml
 
 
+@pytest.mark.parametrize(("file", "key", "path"), [
+    ("engine.yaml", "target", "/etc"), ("engine.yaml", "target", "../../x"),
+    ("llm_api_options.yaml", "speculative_model", "../../x"),
+    ("llm_api_options.yaml", "speculative_model", "/etc")])
+def test_read_engine_dir_refuses_paths_that_leave_its_parent(tmp_path, file, key, path):
+    (tmp_path / "build").mkdir()
+    engine = _engine_dir(tmp_path / "build")
+    data = yaml.safe_load((engine / file).read_text())
+    (data.get("speculative_config") or data)[key] = path
+    (engine / file).write_text(yaml.safe_dump(data))
+    with pytest.raises(DflashTrtError, match=f"{key} path .* points outside"):
+        read_engine_dir(engine)
+
+
 def test_read_engine_dir_refuses_another_backend(tmp_path):
     engine = _engine_dir(tmp_path)
     (engine / "engine.yaml").write_text("backend: torch\ntarget: x\n")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
+from dflash_trt.atomic import replacing_dir, write_atomic
 from dflash_trt.errors import DflashTrtError, UsageError
-from dflash_trt.files import replacing_dir, write_atomic
 from dflash_trt.prompts import SELF_CHAT
 
 

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trt.atomic import replacing_dir
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.files import replacing_dir
 
 ARCHITECTURE = "DFlashDraftModel"
 DRAFT_VOCAB_FILE = "draft_vocab.json"

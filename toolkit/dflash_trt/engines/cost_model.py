@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_trt.atomic import write_atomic
 from dflash_trt.dflash.draft_length import StepCosts
 from dflash_trt.errors import DflashTrtError
-from dflash_trt.files import write_atomic
 
 COST_MODEL_FILE = "cost_model.json"
 # The drafter's confidence -> measured acceptance (dflash.acceptance.calibration_points), written

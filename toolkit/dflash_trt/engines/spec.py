@@ -18,6 +18,19 @@ ENGINE_FILE = "engine.yaml"
 Backend = Literal["torch", "tensorrt_llm"]
 
 
+def inside_engine_tree(engine_dir: Path, rel: str | Path, what: str) -> Path:
+    """`rel`, relative to the engine directory, as an absolute path; refuses a path (absolute, or
+    with ..) that leaves the directory holding the engine (the build, or the model version
+    directory of a Triton repository). `what` names the file and field for the error."""
+    engine_dir = Path(engine_dir).resolve()
+    path = (engine_dir / rel).resolve()
+    if not path.is_relative_to(engine_dir.parent):
+        raise DflashTrtError(f"{engine_dir}/{what} path {str(rel)!r} points outside "
+                             f"{engine_dir.parent}; engine directories must be self-contained "
+                             "(rebuild with --force compile)")
+    return path
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """Request defaults the Triton model applies when an input is absent."""
@@ -88,11 +101,7 @@ class EngineSpec:
         if rel is None:
             return None
         engine_dir = Path(engine_dir).resolve()
-        path = (engine_dir / rel).resolve()
-        if not path.is_relative_to(engine_dir.parent):
-            raise DflashTrtError(f"{engine_dir / ENGINE_FILE}: {which} path {rel!r} points "
-                                 f"outside {engine_dir.parent}; engine directories must be "
-                                 "self-contained (rebuild with --force compile)")
+        path = inside_engine_tree(engine_dir, rel, f"{ENGINE_FILE}: {which}")
         if not path.is_dir():
             raise DflashTrtError(f"{engine_dir / ENGINE_FILE}: {which} checkpoint {path} is "
                                  "missing; rebuild with `dflash-trt build RECIPE --force compile`")

@@ -25,6 +25,7 @@ import yaml
 
 from dflash_trt.engines.base import SamplingParams, StepOutput
 from dflash_trt.engines.detokenize import complete_text
+from dflash_trt.engines.spec import inside_engine_tree
 from dflash_trt.engines.trtllm_options import (
     load_option_names,
     read_llm_api_options,
@@ -324,8 +325,7 @@ def read_engine_dir(engine_dir: Path) -> EngineFiles:
     if not spec.get("target"):
         raise DflashTrtError(f"{path}: no `target` checkpoint path")
     options = resolve_option_paths(read_llm_api_options(engine_dir), engine_dir)
-    target = Path(str(spec["target"]))
-    target = target if target.is_absolute() else (engine_dir / target).resolve()
+    target = inside_engine_tree(engine_dir, str(spec["target"]), "engine.yaml: target")
     max_draft_len = options["speculative_config"]["max_draft_len"]
     max_seq_len = options.get("max_seq_len", spec.get("max_seq_len"))
     if not isinstance(max_seq_len, int):

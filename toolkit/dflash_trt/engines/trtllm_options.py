@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from dflash_trt.engines.spec import inside_engine_tree
 from dflash_trt.errors import DflashTrtError
 
 if TYPE_CHECKING:
@@ -248,17 +249,17 @@ def check_option_names(options: Mapping[str, Any], names: OptionNames | None = N
 
 
 def resolve_option_paths(options: Mapping[str, Any], engine_dir: Path) -> dict[str, Any]:
-    """Return a copy of `options` with a relative `speculative_model` made absolute.
+    """Return a copy of `options` with `speculative_model` made absolute.
 
-    Relative paths in llm_api_options.yaml are relative to the engine directory that holds it;
-    TensorRT-LLM would resolve them against the working directory instead.
+    Paths in llm_api_options.yaml are relative to the engine directory that holds it (TensorRT-LLM
+    would resolve them against the working directory instead) and may not leave its parent.
     """
     resolved = copy.deepcopy(dict(options))
     spec = resolved.get("speculative_config")
     if isinstance(spec, dict) and spec.get("speculative_model") is not None:
-        path = Path(str(spec["speculative_model"]))
-        if not path.is_absolute():
-            spec["speculative_model"] = str((engine_dir / path).resolve())
+        spec["speculative_model"] = str(inside_engine_tree(
+            engine_dir, str(spec["speculative_model"]),
+            f"{LLM_API_OPTIONS_FILE}: speculative_config.speculative_model"))
     return resolved
 
 

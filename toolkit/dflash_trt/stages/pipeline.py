@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trt import __version__
+from dflash_trt.atomic import install_dir, temp_dir_for, write_atomic
 from dflash_trt.errors import DflashTrtError, NotImplementedStage, UsageError
-from dflash_trt.files import install_dir, temp_dir_for, write_atomic
 from dflash_trt.recipe import Recipe
 
 MANIFEST = "manifest.json"
