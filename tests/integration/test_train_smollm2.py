@@ -44,7 +44,8 @@ def test_train_drafter_one_and_two_processes(tmp_path):
     from dflash_trt.training import corpus
 
     cli = str(Path(sys.executable).parent / "dflash-trt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # gloo's connections on the loopback: nothing of a test listens beyond this machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     one = tmp_path / "one"  # 2 steps, then resumed to 4 (lr warm-up: the same schedule)
     first = _args(tmp_path, one)
     first[first.index("--steps") + 1] = "2"

@@ -162,11 +162,19 @@ def _read_jsonl(lines: Iterable[str], where: str) -> list[str]:
     return prompts
 
 
+def read_utf8(path: Path) -> str:
+    """A text file's contents; a UsageError when they are not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+
+
 def read_prompt_file(path: Path) -> list[str]:
     """Prompts of a .txt (one per non-empty line) or .jsonl file."""
     if not path.is_file():
         raise UsageError(f"prompt file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     if path.suffix == ".jsonl":
         return _read_jsonl(text.split("\n"), str(path))
     return [line for line in text.splitlines() if line.strip()]

@@ -109,14 +109,25 @@ def test_gguf_is_converted_once_per_content(fake_package, tmp_path, monkeypatch)
     assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if p.name.startswith(".")]
 
 
-def test_copy_checkpoint_follows_symlinks(tmp_path):
-    src, blob = tmp_path / "snap", tmp_path / "blob"
-    src.mkdir()
+def test_copy_checkpoint_follows_symlinks_within_the_checkpoint(tmp_path):
+    # The Hugging Face cache: snapshots/REV/config.json -> ../../blobs/HASH
+    model = tmp_path / "models--org--name"
+    src, blob = model / "snapshots" / "rev", model / "blobs" / "abc"
+    src.mkdir(parents=True)
+    blob.parent.mkdir()
     blob.write_text("{}")
     (src / "config.json").symlink_to(blob)
     (src / "weights.bin").write_text("x")
     assert sources.copy_checkpoint(src, tmp_path / "out") == ["config.json"]
     assert not (tmp_path / "out" / "config.json").is_symlink()
+    # A link out of the checkpoint (or out of a plain directory) is refused, nothing copied from it.
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    for checkpoint in (src, tmp_path / "plain"):
+        checkpoint.mkdir(exist_ok=True)
+        (checkpoint / "tokenizer.json").symlink_to(secret)
+        with pytest.raises(UsageError, match="tokenizer.json: a link to .*outside the checkpoint"):
+            sources.copy_checkpoint(checkpoint, tmp_path / "out2")
 
 
 @dataclass

@@ -269,3 +269,14 @@ def test_openers_start_the_turns_in_turn_left_padded(tmp_path):
     assert ids[0] == [2] * 4 + prefix + [ord(c) for c in "Why"]  # left-padded with the pad id
     assert mask[0] == [0] * 4 + [1] * (len(ids[0]) - 4) and all(mask[1])
     assert writer.calls[1][0][0][-7:] == [ord(c) for c in "Explain"]  # batch 1 starts at row 3
+
+
+def test_bad_files_are_usage_errors_that_name_their_flag(tmp_path):
+    with pytest.raises(UsageError, match=r"^--heldout .*missing.jsonl: no such file"):
+        corpus.load_samples([str(tmp_path / "missing.jsonl")], heldout=True)
+    with pytest.raises(UsageError, match=r"^--data .*missing.jsonl: no such file"):
+        corpus.load_samples([str(tmp_path / "missing.jsonl")])
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(UsageError, match="latin1.jsonl: not UTF-8 text .*save it as UTF-8"):
+        corpus.load_samples([str(latin1)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.multiprocessing as mp
@@ -29,7 +30,8 @@ def _run(out, config=CONFIG):
 def _worker(rank: int, world: int, rendezvous: str, out: str, results) -> None:
     import torch.distributed as dist
 
-    # Each process is one torchrun worker: 1 thread, gloo, a file rendezvous.
+    # Each process is one torchrun worker: 1 thread, gloo (on the loopback), a file rendezvous.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.dflash.drafter import ARCHITECTURE, DFlashDraftModel, build_target_layer_ids
-from dflash_trt.errors import DflashTrtError
+from dflash_trt.errors import UsageError
 
 
 def choose_mask_token_id(tokenizer, embedding_rows: int) -> int:
@@ -42,10 +42,10 @@ def drafter_config_for_target(target_config, *, num_layers: int, block_size: int
         num_target_layers, num_layers)
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:
-        raise DflashTrtError(f"target_layer_ids {bad} out of range: the target has "
+        raise UsageError(f"target_layer_ids {bad} out of range: the target has "
                              f"{num_target_layers} layers (valid ids 0..{num_target_layers - 1})")
     if not 0 <= mask_token_id < t.vocab_size:
-        raise DflashTrtError(f"mask_token_id {mask_token_id} is not in the target's embedding "
+        raise UsageError(f"mask_token_id {mask_token_id} is not in the target's embedding "
                              f"(vocab_size {t.vocab_size})")
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     return Qwen3Config(

@@ -182,12 +182,20 @@ def resolve_source(source: str) -> Path:
 
 
 def copy_checkpoint(src: Path, dst: Path) -> list[str]:
-    """Copy a checkpoint's files as real files (following symlinks, e.g. in the HF cache)."""
+    """Copy a checkpoint's files as real files (following symlinks, e.g. in the HF cache), none
+    from outside the checkpoint: a link may point within its directory or, in the Hugging Face
+    cache (`.../models--ORG--NAME/snapshots/REV`), within that model's cache directory."""
     dst.mkdir(parents=True, exist_ok=True)
+    root = src.resolve()
+    if src.parent.name == "snapshots":
+        root = root.parents[1]
     copied = []
     for item in sorted(src.iterdir()):
         if item.name.startswith(".") or not item.is_file() or item.suffix not in _COPY_SUFFIXES:
             continue
+        if not item.resolve().is_relative_to(root):
+            raise UsageError(f"{item}: a link to {item.resolve()}, outside the checkpoint; copy "
+                             "the file into the checkpoint directory")
         shutil.copyfile(item, dst / item.name)  # copyfile follows symlinks: no links in outputs
         copied.append(item.name)
     return copied

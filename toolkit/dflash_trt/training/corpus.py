@@ -89,10 +89,10 @@ class CorpusStats:
 
 
 def _read_jsonl(path: Path) -> Iterator[Sample]:
-    from dflash_trt.prompts import iter_jsonl
+    from dflash_trt.prompts import iter_jsonl, read_utf8
 
     source = str(path)
-    for i, row in iter_jsonl(path.read_text(encoding="utf-8").split("\n"), source):
+    for i, row in iter_jsonl(read_utf8(path).split("\n"), source):
         text, prompt, response = row.get("text"), row.get("prompt"), row.get("response")
         ids = row.get("response_ids")
         if isinstance(text, str):
@@ -105,8 +105,9 @@ def _read_jsonl(path: Path) -> Iterator[Sample]:
                              "(with an optional string 'response')")
 
 
-def iter_samples(spec: str) -> Iterator[Sample]:
-    """The samples of one data spec (see the module docstring); raises UsageError on bad specs."""
+def iter_samples(spec: str, flag: str = "--data") -> Iterator[Sample]:
+    """The samples of one data spec (see the module docstring); raises UsageError on bad specs,
+    naming `flag`."""
     from dflash_trt import prompts
 
     if spec == STDLIB:
@@ -129,9 +130,9 @@ def iter_samples(spec: str) -> Iterator[Sample]:
     else:
         path = Path(spec).expanduser()
         if path.is_dir():
-            raise UsageError(f"--data {spec}: is a directory; pass text or .jsonl files")
+            raise UsageError(f"{flag} {spec}: is a directory; pass text or .jsonl files")
         if not path.is_file():
-            raise UsageError(f"--data {spec}: no such file")
+            raise UsageError(f"{flag} {spec}: no such file")
         if path.suffix == ".jsonl":
             yield from _read_jsonl(path)
         else:
@@ -147,16 +148,17 @@ def load_samples(specs: Sequence[str], *, limit_per_source: int | None = None,
     if not heldout and CHAT in specs:
         raise UsageError(f"--data {CHAT}: it is an evaluation set; pass it as --heldout, and "
                          f"{SELF_CHAT} (prompts the target writes) as training data")
+    flag = "--heldout" if heldout else "--data"
     samples = []
     for spec in specs:
         got = []
-        for sample in iter_samples(spec):
+        for sample in iter_samples(spec, flag):
             if limit_per_source is not None and len(got) >= limit_per_source:
                 break
             if (sample.text or "").strip() or (sample.prompt or "").strip():
                 got.append(sample)
         if not got:
-            raise UsageError(f"--data {spec}: no usable samples (empty file or only blank rows)")
+            raise UsageError(f"{flag} {spec}: no usable samples (empty file or only blank rows)")
         samples.extend(got)
     if not heldout:
         check_no_eval_prompts(samples)
