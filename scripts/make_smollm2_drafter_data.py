@@ -14,7 +14,7 @@ writes, into DATA_DIR (resumable: answers and prompts already there are kept):
 - part `self-chat`:
   - self-chat-turns.jsonl, heldout-chat-turns.jsonl   user turns the target wrote (seeds 0, 1;
                             at most 64 tokens, temperature 1, top-p 0.95; --openers: each
-                            train turn begins with one of corpus.OPENERS)
+                            turn begins with one of corpus.OPENERS)
   - self-chat-answers.jsonl      answers to N of them (train), less any that quotes an
                                  evaluation prompt (answers/ keeps every answer, the cache)
   - heldout-chat-answers.jsonl   answers to other ones, none shared with the train prompts
@@ -93,7 +93,7 @@ def self_chat_part(out: Path, model, tokenizer, t0: float, count: int, heldout: 
                                     seed=seed, max_new_tokens=64, openers=openers,
                                     on_batch=lambda d, t: log(t0, "train turns", d, t))
     held = corpus.write_user_turns(model, tokenizer, heldout, out / "heldout-chat-turns.jsonl",
-                                   seed=1, max_new_tokens=64, exclude=train,
+                                   seed=1, max_new_tokens=64, exclude=train, openers=openers,
                                    on_batch=lambda d, t: log(t0, "held-out turns", d, t))
     for name, prompts_ in (("heldout-chat-answers.jsonl", held),
                            ("self-chat-answers.jsonl", train)):
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the train prompts (the held-out ones use 1; not 1)")
     parser.add_argument("--openers", action="store_true",
-                        help="self-chat: each train turn starts with one of corpus.OPENERS "
+                        help="self-chat: each turn starts with one of corpus.OPENERS "
                              "(requests, not the stories a bare user prefix mostly gets)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the target's dtype while it writes and answers (bfloat16: about "
