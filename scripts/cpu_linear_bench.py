@@ -1,6 +1,7 @@
 """Time one SmolLM2-135M projection (576 -> 1536) for 1..64 rows: PyTorch's default CPU matmul and
-oneDNN with a packed weight (dflash/cpu_linear.py), both float32, against the float16 kernel for
-NVFP4 weights (dflash/cpu_fp16.py). Microseconds per call, the best of 3 interleaved rounds.
+oneDNN with a packed weight (dflash/cpu_linear.py), both float32, against the float16 kernels for
+NVFP4 weights (dflash/cpu_fp16.py: the AVX2 one, and the AVX-512 one where the CPU has AVX-512F).
+Microseconds per call, the best of 3 interleaved rounds.
 
     .venv/bin/python scripts/cpu_linear_bench.py [THREADS] [--copies N]
 
@@ -29,7 +30,17 @@ for _ in range(args.copies):
     layers.append((dense, cpu_linear.pack(dense),
                    cpu_fp16.blocked(stored.unscaled()),
                    float(stored.weight_scale_2)))
-fp16 = cpu_fp16.load() is not None
+kernels = {}  # name -> the compiled kernel, each timed by making it the one cpu_fp16 loaded
+if cpu_fp16.load() is not None:
+    lib, _ = cpu_fp16._build()
+    kernels["AVX2"] = cpu_fp16._pick_named(lib, "fp16_linear")
+    if cpu_fp16._cpu_has("avx512f"):
+        kernels["AVX-512"] = cpu_fp16._pick_named(lib, "fp16_linear_avx512")
+
+
+def kernel_micros(kernel, x) -> float:
+    cpu_fp16._kernel = kernel
+    return micros(lambda w: cpu_fp16.linear(x, w[2], w[3]))
 
 
 def micros(fn) -> float:
@@ -44,12 +55,13 @@ def micros(fn) -> float:
     return best
 
 
+heads = "".join(f" float16 {name} (us) |" for name in kernels)
 print(f"threads {torch.get_num_threads()}, {args.copies} copies\n"
-      "| rows | default float32 (us) | oneDNN packed float32 (us) | float16 kernel (us) |\n"
-      "|---|---|---|---|")
-for rows in (1, 2, 4, 6, 8, 12, 16, 32, 64):
+      f"| rows | default float32 (us) | oneDNN packed float32 (us) |{heads}\n"
+      f"|---|---|---|{'---|' * len(kernels)}")
+for rows in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
     x = torch.randn(rows, 576)
     default = micros(lambda w, x=x: torch.nn.functional.linear(x, w[0]))
     onednn = micros(lambda w, x=x: cpu_linear.packed_linear(x, w[1], None))
-    kernel = micros(lambda w, x=x: cpu_fp16.linear(x, w[2], w[3])) if fp16 else float("nan")
-    print(f"| {rows} | {default:.0f} | {onednn:.0f} | {kernel:.0f} |", flush=True)
+    cells = "".join(f" {kernel_micros(k, x):.0f} |" for k in kernels.values())
+    print(f"| {rows} | {default:.0f} | {onednn:.0f} |{cells}", flush=True)

@@ -70,6 +70,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         assert torch.equal(cpu_fp16.linear(x[lo:hi], w16, g), together[lo:hi])
 
 
+@pytest.mark.skipif(not cpu_fp16._cpu_has("avx512f"), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 11, 12, 13, 25, 32, 40])
+def test_the_avx512_kernel_gives_the_avx2_kernels_bits(rows, monkeypatch):
+    w = nvfp4(80, 576, seed=rows)
+    w16, g = cpu_fp16.blocked(w.unscaled()), float(w.weight_scale_2)
+    x = torch.randn(rows, 576)
+    monkeypatch.setattr(cpu_fp16, "_kernel", False)
+    wide = cpu_fp16.linear(x, w16, g)
+    assert cpu_fp16.load().__name__ == "fp16_linear_avx512"
+    monkeypatch.setenv("DFLASH_TRT_CPU_FP16", "avx2")
+    monkeypatch.setattr(cpu_fp16, "_kernel", False)
+    narrow = cpu_fp16.linear(x, w16, g)
+    assert cpu_fp16.load().__name__ == "fp16_linear"
+    assert torch.equal(wide, narrow)
+
+
 def quant_layer(out: int, inp: int, seed: int) -> qf.QuantLinear:
     w = nvfp4(out, inp, seed)
     state = {"l.weight": w.packed, "l.weight_scale": w.weight_scale,
@@ -97,7 +113,7 @@ def test_packed_nvfp4_layer_uses_the_kernel_for_few_rows_only(rows, monkeypatch)
 
 
 def test_switched_off_the_layer_stays_on_onednn(monkeypatch):
-    monkeypatch.setattr(cpu_fp16, "_lib", None)
+    monkeypatch.setattr(cpu_fp16, "_kernel", None)
     packed = cpu_linear.PackedLinear(quant_layer(48, 64, seed=5))
     assert packed.fp16 is None
 

@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] @ W.T * g for float16 weights W, float32 x and y, on AVX2 + FMA + F16C.
+// y[M, N] = x[M, K] @ W.T * g for float16 weights W, float32 x and y: `fp16_linear` on AVX2 + FMA
+// + F16C, `fp16_linear_avx512` on AVX-512F (the caller picks by what the CPU has).
 //
 // W is stored in panels of 16 outputs: [N/16][K][16], so that one panel streams from memory in
 // order. A tile of R rows keeps R x 16 sums in registers; each k converts the panel's 16 weights
@@ -6,6 +7,9 @@
 // weight read from memory serves every row of the call). Each (row, output) is one float32
 // accumulator over k = 0 .. K-1 in order, then one multiply by g: whatever tile a row lands in,
 // its result is the same, so it never depends on the other rows of the call (dflash/cpu_fp16.py).
+// The AVX-512 kernel holds a panel's 16 outputs in one register and does the same float32
+// operations in the same order per (row, output), so its results equal the AVX2 kernel's bit for
+// bit; it converts each weight once per 12 rows instead of 6 and issues half the instructions.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -57,6 +61,53 @@ extern "C" void fp16_linear(const float* x, const uint16_t* w, float g, float* y
       case 3: tile<3>(xm, K, panel, g, ym, N); break;
       case 2: tile<2>(xm, K, panel, g, ym, N); break;
       case 1: tile<1>(xm, K, panel, g, ym, N); break;
+    }
+  }
+}
+
+#define AVX512 __attribute__((target("avx512f,fma,f16c")))
+
+// R rows by one panel: R accumulators, 1 weight vector; x[k] is broadcast from memory.
+template <int R>
+AVX512 __attribute__((always_inline)) static inline void tile512(const float* x, int64_t K,
+                                                                 const uint16_t* w, float g,
+                                                                 float* y, int64_t N) {
+  __m512 acc[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* wk = w + k * 16;
+    _mm_prefetch((const char*)(wk + 256), _MM_HINT_T0);
+    __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)wk));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[r]);
+  }
+  __m512 scale = _mm512_set1_ps(g);
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_mul_ps(acc[r], scale));
+}
+
+extern "C" AVX512 void fp16_linear_avx512(const float* x, const uint16_t* w, float g, float* y,
+                                          int64_t M, int64_t K, int64_t N, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n += 16) {
+    const uint16_t* panel = w + n * K;
+    int64_t m = 0;
+    for (; m + 12 <= M; m += 12) tile512<12>(x + m * K, K, panel, g, y + m * N + n, N);
+    const float* xm = x + m * K;
+    float* ym = y + m * N + n;
+    switch (M - m) {
+      case 11: tile512<11>(xm, K, panel, g, ym, N); break;
+      case 10: tile512<10>(xm, K, panel, g, ym, N); break;
+      case 9: tile512<9>(xm, K, panel, g, ym, N); break;
+      case 8: tile512<8>(xm, K, panel, g, ym, N); break;
+      case 7: tile512<7>(xm, K, panel, g, ym, N); break;
+      case 6: tile512<6>(xm, K, panel, g, ym, N); break;
+      case 5: tile512<5>(xm, K, panel, g, ym, N); break;
+      case 4: tile512<4>(xm, K, panel, g, ym, N); break;
+      case 3: tile512<3>(xm, K, panel, g, ym, N); break;
+      case 2: tile512<2>(xm, K, panel, g, ym, N); break;
+      case 1: tile512<1>(xm, K, panel, g, ym, N); break;
     }
   }
 }

@@ -18,9 +18,14 @@ result is the same whichever rows share the call (the kernel's sum order does no
 them), so up to MAX_ROWS rows a batched step computes each row's linear layers exactly as a batch
 of one would. Beyond MAX_ROWS (prompt chunks) oneDNN's packed float32 kernel runs.
 
-The kernel is compiled on first use with the system's C++ compiler ($CXX, else g++) into
-$DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and runs on the OpenMP runtime
-torch already loaded, with torch's thread count. It needs an x86-64 CPU with AVX2, FMA and F16C.
+On a CPU with AVX-512F a second kernel runs: the same operations in the same order per (row,
+output), so the same bits, with a panel's 16 outputs in one register and tiles of up to 12 rows
+(half the instructions, and each weight converted once per 12 rows); DFLASH_TRT_CPU_FP16=avx2
+keeps the AVX2 one (to compare them).
+
+The kernels are compiled on first use with the system's C++ compiler ($CXX, else g++) into
+$DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and run on the OpenMP runtime
+torch already loaded, with torch's thread count. They need an x86-64 CPU with AVX2, FMA and F16C.
 Without one, without a compiler, or with DFLASH_TRT_CPU_FP16=0, `load()` says why once (stderr)
 and returns None, and the layers stay on oneDNN.
 """
@@ -45,18 +50,33 @@ MAX_ROWS = 32
 PANEL = 16  # outputs per weight panel (cpu_fp16.cpp)
 SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+_kernel: ctypes._CFuncPtr | None | bool = False  # False: not tried yet
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with one line on stderr saying why) where it cannot run."""
-    global _lib
-    if _lib is False:
-        _lib, why = _build()
+def load() -> ctypes._CFuncPtr | None:
+    """The compiled kernel for this CPU (`fp16_linear_avx512` where it has AVX-512F, else
+    `fp16_linear`), or None (with one line on stderr saying why) where it cannot run."""
+    global _kernel
+    if _kernel is False:
+        lib, why = _build()
         if why:
             print(f"dflash-trt: float16 CPU kernel off ({why}); linear layers use oneDNN",
                   file=sys.stderr)
-    return _lib
+        _kernel = None if lib is None else _pick(lib)
+    return _kernel
+
+
+def _pick(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    wide = _cpu_has("avx512f") and os.environ.get("DFLASH_TRT_CPU_FP16", "1") != "avx2"
+    return _pick_named(lib, "fp16_linear_avx512" if wide else "fp16_linear")
+
+
+def _pick_named(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
+    kernel = getattr(lib, name)
+    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    kernel.restype = None
+    return kernel
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -80,14 +100,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"cannot compile {SOURCE.name} with {compiler}: {exc}"
     try:
-        lib = ctypes.CDLL(str(lib_path))
+        return ctypes.CDLL(str(lib_path)), ""
     except OSError as exc:
         return None, f"cannot load {lib_path}: {exc}"
-    lib.fp16_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_int]
-    lib.fp16_linear.restype = None
-    return lib, ""
 
 
 def _cache_dir() -> Path:
@@ -128,13 +143,12 @@ def blocked(unscaled: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w16: torch.Tensor, g: float) -> torch.Tensor:
     """x (rows, in) float32 @ W.T * g with W16 from `blocked`; rows <= MAX_ROWS is the fast
     case, any row count is correct."""
-    lib = load()
-    if lib is None:
+    kernel = load()
+    if kernel is None:
         raise RuntimeError("the float16 CPU kernel is not available here")
     x = x.contiguous()
     rows, inp = x.shape
     out = w16.numel() // inp
     y = torch.empty(rows, out, dtype=torch.float32)
-    lib.fp16_linear(x.data_ptr(), w16.data_ptr(), g, y.data_ptr(), rows, inp, out,
-                    torch.get_num_threads())
+    kernel(x.data_ptr(), w16.data_ptr(), g, y.data_ptr(), rows, inp, out, torch.get_num_threads())
     return y
