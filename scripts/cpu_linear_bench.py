@@ -30,12 +30,7 @@ for _ in range(args.copies):
     layers.append((dense, cpu_linear.pack(dense),
                    cpu_fp16.blocked(stored.unscaled()),
                    float(stored.weight_scale_2)))
-kernels = {}  # name -> the compiled kernel, each timed by making it the one cpu_fp16 loaded
-if cpu_fp16.load() is not None:
-    lib, _ = cpu_fp16._build()
-    kernels["AVX2"] = cpu_fp16._pick_named(lib, "fp16_linear")
-    if cpu_fp16._cpu_has("avx512f"):
-        kernels["AVX-512"] = cpu_fp16._pick_named(lib, "fp16_linear_avx512")
+kernels = cpu_fp16.kernels()  # each timed by making it the one cpu_fp16 loaded
 
 
 def kernel_micros(kernel, x) -> float:

@@ -44,6 +44,16 @@ __attribute__((always_inline)) static inline void tile(const float* x, int64_t K
   }
 }
 
+// The last `left` (< R) rows of a panel, in one tile of exactly that many rows.
+template <int R>
+static inline void rest(int64_t left, const float* x, int64_t K, const uint16_t* w, float g,
+                        float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (left == R - 1) tile<R - 1>(x, K, w, g, y, N);
+    else rest<R - 1>(left, x, K, w, g, y, N);
+  }
+}
+
 // N a multiple of 16; the threads split the panels, and each panel serves all M rows in tiles of
 // 6 (12 accumulators), the rest in one smaller tile, while its weights are still in cache.
 extern "C" void fp16_linear(const float* x, const uint16_t* w, float g, float* y, int64_t M,
@@ -53,15 +63,7 @@ extern "C" void fp16_linear(const float* x, const uint16_t* w, float g, float* y
     const uint16_t* panel = w + n * K;
     int64_t m = 0;
     for (; m + 6 <= M; m += 6) tile<6>(x + m * K, K, panel, g, y + m * N + n, N);
-    const float* xm = x + m * K;
-    float* ym = y + m * N + n;
-    switch (M - m) {
-      case 5: tile<5>(xm, K, panel, g, ym, N); break;
-      case 4: tile<4>(xm, K, panel, g, ym, N); break;
-      case 3: tile<3>(xm, K, panel, g, ym, N); break;
-      case 2: tile<2>(xm, K, panel, g, ym, N); break;
-      case 1: tile<1>(xm, K, panel, g, ym, N); break;
-    }
+    rest<6>(M - m, x + m * K, K, panel, g, y + m * N + n, N);
   }
 }
 
@@ -87,6 +89,16 @@ AVX512 __attribute__((always_inline)) static inline void tile512(const float* x,
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_mul_ps(acc[r], scale));
 }
 
+template <int R>
+AVX512 static inline void rest512(int64_t left, const float* x, int64_t K, const uint16_t* w,
+                                  float g, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (left == R - 1) tile512<R - 1>(x, K, w, g, y, N);
+    else rest512<R - 1>(left, x, K, w, g, y, N);
+  }
+}
+
+// As fp16_linear, in tiles of 12 rows (12 accumulators of 16 outputs).
 extern "C" AVX512 void fp16_linear_avx512(const float* x, const uint16_t* w, float g, float* y,
                                           int64_t M, int64_t K, int64_t N, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -94,20 +106,6 @@ extern "C" AVX512 void fp16_linear_avx512(const float* x, const uint16_t* w, flo
     const uint16_t* panel = w + n * K;
     int64_t m = 0;
     for (; m + 12 <= M; m += 12) tile512<12>(x + m * K, K, panel, g, y + m * N + n, N);
-    const float* xm = x + m * K;
-    float* ym = y + m * N + n;
-    switch (M - m) {
-      case 11: tile512<11>(xm, K, panel, g, ym, N); break;
-      case 10: tile512<10>(xm, K, panel, g, ym, N); break;
-      case 9: tile512<9>(xm, K, panel, g, ym, N); break;
-      case 8: tile512<8>(xm, K, panel, g, ym, N); break;
-      case 7: tile512<7>(xm, K, panel, g, ym, N); break;
-      case 6: tile512<6>(xm, K, panel, g, ym, N); break;
-      case 5: tile512<5>(xm, K, panel, g, ym, N); break;
-      case 4: tile512<4>(xm, K, panel, g, ym, N); break;
-      case 3: tile512<3>(xm, K, panel, g, ym, N); break;
-      case 2: tile512<2>(xm, K, panel, g, ym, N); break;
-      case 1: tile512<1>(xm, K, panel, g, ym, N); break;
-    }
+    rest512<12>(M - m, x + m * K, K, panel, g, y + m * N + n, N);
   }
 }

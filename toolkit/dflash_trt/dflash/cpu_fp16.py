@@ -67,16 +67,30 @@ def load() -> ctypes._CFuncPtr | None:
 
 
 def _pick(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
-    wide = _cpu_has("avx512f") and os.environ.get("DFLASH_TRT_CPU_FP16", "1") != "avx2"
-    return _pick_named(lib, "fp16_linear_avx512" if wide else "fp16_linear")
+    choices = kernels(lib)
+    if os.environ.get("DFLASH_TRT_CPU_FP16", "1") == "avx2":
+        return choices["avx2"]
+    return choices.get("avx512", choices["avx2"])
 
 
-def _pick_named(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
-    kernel = getattr(lib, name)
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    kernel.restype = None
-    return kernel
+def kernels(lib: ctypes.CDLL | None = None) -> dict[str, ctypes._CFuncPtr]:
+    """Every kernel this CPU can run ("avx2", and "avx512" with AVX-512F), not only the one
+    `load()` picks; empty where none can (scripts/cpu_linear_bench.py times them side by side)."""
+    if lib is None:
+        if load() is None:
+            return {}
+        lib, _ = _build()
+    names = {"avx2": "fp16_linear"}
+    if _cpu_has("avx512f"):
+        names["avx512"] = "fp16_linear_avx512"
+    found = {}
+    for isa, name in names.items():
+        kernel = getattr(lib, name)
+        kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        kernel.restype = None
+        found[isa] = kernel
+    return found
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
