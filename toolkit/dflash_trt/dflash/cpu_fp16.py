@@ -19,9 +19,10 @@ them), so up to MAX_ROWS rows a batched step computes each row's linear layers e
 of one would. Beyond MAX_ROWS (prompt chunks) oneDNN's packed float32 kernel runs.
 
 On a CPU with AVX-512F a second kernel runs: the same operations in the same order per (row,
-output), so the same bits, with a panel's 16 outputs in one register and tiles of up to 12 rows
-(half the instructions, and each weight converted once per 12 rows); DFLASH_TRT_CPU_FP16=avx2
-keeps the AVX2 one (to compare them).
+output), so the same bits, with a panel's 16 outputs in one register, two panels per tile of up
+to 8 rows (16 sums in registers, each broadcast of an input serving 32 outputs: half the
+instructions of the AVX2 kernel's tiles); DFLASH_TRT_CPU_FP16=avx2 keeps the AVX2 one (to compare
+them).
 
 The kernels are compiled on first use with the system's C++ compiler ($CXX, else g++) into
 $DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and run on the OpenMP runtime
