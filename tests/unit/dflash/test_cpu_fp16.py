@@ -86,6 +86,15 @@ def test_the_avx512_kernel_gives_the_avx2_kernels_bits(rows, monkeypatch):
     assert torch.equal(wide, narrow)
 
 
+@pytest.mark.skipif(not cpu_fp16._cpu_has("avx512f"), reason="this CPU has no AVX-512F")
+def test_each_kernel_takes_calls_up_to_its_own_row_count(monkeypatch):
+    monkeypatch.setattr(cpu_fp16, "_kernel", False)
+    assert cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["avx512"] == 128
+    monkeypatch.setenv("DFLASH_TRT_CPU_FP16", "avx2")
+    monkeypatch.setattr(cpu_fp16, "_kernel", False)
+    assert cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["avx2"] == 32
+
+
 def quant_layer(out: int, inp: int, seed: int) -> qf.QuantLinear:
     w = nvfp4(out, inp, seed)
     state = {"l.weight": w.packed, "l.weight_scale": w.weight_scale,
@@ -94,12 +103,15 @@ def quant_layer(out: int, inp: int, seed: int) -> qf.QuantLinear:
     return qf.build_quant_linears(state, cfg, torch.float32)["l"]
 
 
-@pytest.mark.parametrize("rows", [0, 1, cpu_fp16.MAX_ROWS, cpu_fp16.MAX_ROWS + 1])
-def test_packed_nvfp4_layer_uses_the_kernel_for_few_rows_only(rows, monkeypatch):
+@pytest.mark.parametrize("case", ["none", "one", "most", "one too many"])
+def test_packed_nvfp4_layer_uses_the_kernel_for_few_rows_only(case, monkeypatch):
     layer = quant_layer(48, 64, seed=4)
     assert layer.stored is not None
     packed = cpu_linear.PackedLinear(layer)
     assert packed.fp16 is not None and layer.stored is None  # read once, then dropped
+    assert packed.fp16_rows == cpu_fp16.max_rows() in cpu_fp16.MAX_ROWS.values()
+    rows = {"none": 0, "one": 1, "most": packed.fp16_rows,
+            "one too many": packed.fp16_rows + 1}[case]
     calls, real = [], cpu_fp16.linear
 
     def counted(*args):
@@ -109,13 +121,13 @@ def test_packed_nvfp4_layer_uses_the_kernel_for_few_rows_only(rows, monkeypatch)
     monkeypatch.setattr(cpu_fp16, "linear", counted)
     x = torch.randn(1, rows, 64)
     assert torch.allclose(packed(x), layer(x), rtol=1e-5, atol=1e-5)
-    assert calls == ([rows] if 0 < rows <= cpu_fp16.MAX_ROWS else [])
+    assert calls == ([rows] if 0 < rows <= packed.fp16_rows else [])
 
 
 def test_switched_off_the_layer_stays_on_onednn(monkeypatch):
     monkeypatch.setattr(cpu_fp16, "_kernel", None)
     packed = cpu_linear.PackedLinear(quant_layer(48, 64, seed=5))
-    assert packed.fp16 is None
+    assert packed.fp16 is None and packed.fp16_rows == 0 and cpu_fp16.max_rows() == 0
 
 
 def test_a_layer_whose_outputs_do_not_fill_panels_stays_on_onednn():

@@ -15,14 +15,13 @@ forward, a batch) convert each weight once per 6 rows: at 32 rows it took 0.56x 
 the kernel before it (dot products, tiles of 4 rows x 2 outputs) on one machine and 0.75x on
 another, and beat oneDNN on both (docs/benchmarks.md, session 21). Each row's
 result is the same whichever rows share the call (the kernel's sum order does not depend on
-them), so up to MAX_ROWS rows a batched step computes each row's linear layers exactly as a batch
-of one would. Beyond MAX_ROWS (prompt chunks) oneDNN's packed float32 kernel runs.
+them), so up to `max_rows()` rows a batched step computes each row's linear layers exactly as a
+batch of one would. Beyond that (long prompt chunks) oneDNN's packed float32 kernel runs.
 
 On a CPU with AVX-512F a second kernel runs: the same operations in the same order per (row,
-output), so the same bits, with a panel's 16 outputs in one register, two panels per tile of up
-to 8 rows (16 sums in registers, each broadcast of an input serving 32 outputs: half the
-instructions of the AVX2 kernel's tiles); DFLASH_TRT_CPU_FP16=avx2 keeps the AVX2 one (to compare
-them).
+output), so the same bits, with a panel's 16 outputs in one register and, from 6 rows on, two
+panels per tile of up to 8 rows (16 sums in registers, each broadcast of an input serving 32
+outputs); DFLASH_TRT_CPU_FP16=avx2 keeps the AVX2 one (to compare them).
 
 The kernels are compiled on first use with the system's C++ compiler ($CXX, else g++) into
 $DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and run on the OpenMP runtime
@@ -44,10 +43,11 @@ from pathlib import Path
 
 import torch
 
-# Up to this many rows the float16 kernel beats oneDNN's packed float32 one on the 2-core EPYC
-# this project measured on (scripts/cpu_linear_bench.py, docs/benchmarks.md session 21: 1137
-# against 1661 us at 32 rows on a Zen 1 EPYC, 320 against 339 on a Zen 4; about even at 64).
-MAX_ROWS = 32
+# Up to this many rows each kernel beats oneDNN's packed float32 one on the 2-core EPYCs this
+# project measured on (scripts/cpu_linear_bench.py, docs/benchmarks.md): AVX2 1137 against 1661 us
+# at 32 rows on a Zen 1, 320 against 339 on a Zen 4, about even at 64 (session 21); AVX-512 245
+# against 269 us at 64 rows and 454 against 468 at 128 on a Zen 5 (session 27).
+MAX_ROWS = {"avx2": 32, "avx512": 128}
 PANEL = 16  # outputs per weight panel (cpu_fp16.cpp)
 SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -72,6 +72,14 @@ def _pick(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
     if os.environ.get("DFLASH_TRT_CPU_FP16", "1") == "avx2":
         return choices["avx2"]
     return choices.get("avx512", choices["avx2"])
+
+
+def max_rows() -> int:
+    """The most rows a call sends to the loaded kernel (MAX_ROWS), 0 where none runs."""
+    kernel = load()
+    if kernel is None:
+        return 0
+    return MAX_ROWS["avx512" if kernel.__name__ == "fp16_linear_avx512" else "avx2"]
 
 
 def kernels(lib: ctypes.CDLL | None = None) -> dict[str, ctypes._CFuncPtr]:
@@ -156,7 +164,7 @@ def blocked(unscaled: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w16: torch.Tensor, g: float) -> torch.Tensor:
-    """x (rows, in) float32 @ W.T * g with W16 from `blocked`; rows <= MAX_ROWS is the fast
+    """x (rows, in) float32 @ W.T * g with W16 from `blocked`; rows <= max_rows() is the fast
     case, any row count is correct."""
     kernel = load()
     if kernel is None:

@@ -9,7 +9,7 @@ engine on CPU runs its target's linear layers this way. Results differ from the 
 in the last float32 bits only (as kernels for different row counts already do).
 
 A layer whose weight is NVFP4 as stored (formats.qformats.QuantLinear.stored) runs calls of up to
-dflash.cpu_fp16.MAX_ROWS rows through that module's float16 kernel instead: half the bytes.
+dflash.cpu_fp16.max_rows() rows through that module's float16 kernel instead: half the bytes.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ class PackedLinear(nn.Module):
         self.inner = inner
         self.packed = pack(inner.weight)
         self.fp16 = None  # (W16 blocked, g) where dflash.cpu_fp16 runs the few-row calls
+        self.fp16_rows = 0  # the most rows such a call has (cpu_fp16.max_rows)
         stored = getattr(inner, "stored", None)
         if stored is not None and cpu_fp16.fits(*inner.weight.shape) and cpu_fp16.load() is not None:
             self.fp16 = (cpu_fp16.blocked(stored.unscaled()), float(stored.weight_scale_2))
+            self.fp16_rows = cpu_fp16.max_rows()
         if stored is not None:
             inner.stored = None  # read once; it is not needed again
 
@@ -66,7 +68,7 @@ class PackedLinear(nn.Module):
         if prepare is not None:
             x = prepare(x)
         rows = x.numel() // x.shape[-1]
-        if self.fp16 is not None and 0 < rows <= cpu_fp16.MAX_ROWS:
+        if 0 < rows <= self.fp16_rows:
             y = cpu_fp16.linear(x.reshape(rows, -1), *self.fp16).reshape(*x.shape[:-1], -1)
             return y if self.inner.bias is None else y + self.inner.bias
         return packed_linear(x, self.packed, self.inner.bias)

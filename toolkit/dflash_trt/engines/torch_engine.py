@@ -279,7 +279,7 @@ class TorchEngine:
 def _pack_for_cpu(model) -> None:
     """float32 on CPU: the model's linear layers through oneDNN with packed weights, several
     times faster than the default kernels for the few rows of a verify forward or a batch, and
-    NVFP4 ones through a float16 kernel for calls of up to dflash.cpu_fp16.MAX_ROWS rows
+    NVFP4 ones through a float16 kernel for calls of up to dflash.cpu_fp16.max_rows() rows
     (dflash.cpu_linear, dflash.cpu_fp16).
     Elsewhere the NVFP4 weights kept as stored for that kernel are dropped."""
     import torch
