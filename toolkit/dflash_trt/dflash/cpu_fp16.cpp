@@ -70,8 +70,7 @@ extern "C" void fp16_linear(const float* x, const uint16_t* w, float g, float* y
 #define AVX512 __attribute__((target("avx512f,fma,f16c")))
 
 // R rows by P adjacent panels (16P outputs): R x P accumulators, P weight vectors; each row's
-// x[k] is broadcast once and serves all P panels (two panels: one broadcast per two FMAs, and
-// 8 independent sums already at 4 rows, enough to keep both FMA pipes busy).
+// x[k] is broadcast once and serves all P panels (two panels: one broadcast per two FMAs).
 template <int R, int P>
 AVX512 __attribute__((always_inline)) static inline void tile512(const float* x, int64_t K,
                                                                  const uint16_t* w, float g,
