@@ -1,4 +1,4 @@
-"""Time one SmolLM2-135M projection (576 -> 1536) for 1..64 rows: PyTorch's default CPU matmul and
+"""Time one SmolLM2-135M projection (576 -> 1536) for 1..128 rows: PyTorch's default CPU matmul and
 oneDNN with a packed weight (dflash/cpu_linear.py), both float32, against the float16 kernels for
 NVFP4 weights (dflash/cpu_fp16.py: the AVX2 one, and the AVX-512 one where the CPU has AVX-512F).
 Microseconds per call, the best of 3 interleaved rounds.

@@ -44,7 +44,7 @@ def test_float16_holds_the_nvfp4_weight_exactly():
 
 
 @pytest.mark.parametrize("out,inp", [(16, 16), (48, 80), (192, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 64, 128])
 def test_kernel_matches_float64(out, inp, rows):
     w = nvfp4(out, inp, seed=rows)
     w16 = cpu_fp16.blocked(w.unscaled())
@@ -71,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 @pytest.mark.skipif(not cpu_fp16._cpu_has("avx512f"), reason="this CPU has no AVX-512F")
-@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 9, 12, 13, 16, 25, 32, 40])
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 9, 12, 13, 16, 25, 32, 40, 128])
 def test_the_avx512_kernel_gives_the_avx2_kernels_bits(rows, monkeypatch):
     w = nvfp4(80, 576, seed=rows)
     w16, g = cpu_fp16.blocked(w.unscaled()), float(w.weight_scale_2)
