@@ -28,14 +28,14 @@ for _ in range(args.copies):
     stored = qformats.nvfp4_quantize(torch.randn(1536, 576) * 0.05)
     dense = qformats.nvfp4_dequantize(stored.packed, stored.weight_scale, stored.weight_scale_2)
     layers.append((dense, cpu_linear.pack(dense),
-                   cpu_fp16.blocked(stored.unscaled()),
+                   {isa: cpu_fp16.blocked(stored.unscaled(), isa) for isa in cpu_fp16.kernels()},
                    float(stored.weight_scale_2)))
 kernels = cpu_fp16.kernels()  # each timed by making it the one cpu_fp16 loaded
 
 
-def kernel_micros(kernel, x) -> float:
+def kernel_micros(isa, kernel, x) -> float:
     cpu_fp16._kernel = kernel
-    return micros(lambda w: cpu_fp16.linear(x, w[2], w[3]))
+    return micros(lambda w: cpu_fp16.linear(x, w[2][isa], w[3]))
 
 
 def micros(fn) -> float:
@@ -50,13 +50,13 @@ def micros(fn) -> float:
     return best
 
 
-heads = "".join(f" float16 {name} (us) |" for name in kernels)
+heads = "".join(f" {'bfloat16' if name == 'amx' else 'float16'} {name} (us) |" for name in kernels)
 print(f"threads {torch.get_num_threads()}, {args.copies} copies\n"
       f"| rows | default float32 (us) | oneDNN packed float32 (us) |{heads}\n"
       f"|---|---|---|{'---|' * len(kernels)}")
-for rows in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+for rows in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512):
     x = torch.randn(rows, 576)
     default = micros(lambda w, x=x: torch.nn.functional.linear(x, w[0]))
     onednn = micros(lambda w, x=x: cpu_linear.packed_linear(x, w[1], None))
-    cells = "".join(f" {kernel_micros(k, x):.0f} |" for k in kernels.values())
+    cells = "".join(f" {kernel_micros(isa, k, x):.0f} |" for isa, k in kernels.items())
     print(f"| {rows} | {default:.0f} | {onednn:.0f} |{cells}", flush=True)

@@ -1,5 +1,6 @@
-"""dflash.cpu_fp16: NVFP4 weights as float16 compute x @ W.T to float32 accuracy, each row the
-same whatever rows share the call, and the torch engine running them stays lossless."""
+"""dflash.cpu_fp16: NVFP4 weights as float16 (bfloat16 for AMX) compute x @ W.T to float32
+accuracy, each row the same whatever rows share the call, and the torch engine running them stays
+lossless. Each kernel this CPU runs is tested, not only the one `load()` picks."""
 
 from __future__ import annotations
 
@@ -22,20 +23,34 @@ def nvfp4(out: int, inp: int, seed: int) -> qf.NVFP4Weight:
     return qf.nvfp4_quantize(torch.randn(out, inp) * 0.05)
 
 
-def unblocked(w16: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout [out/16, in, 16] back to [out, in]."""
-    panels, inp = w16.shape[:2]
-    return w16.transpose(1, 2).reshape(panels * 16, inp)
+KERNELS = ["avx2", "avx512", "amx"]
 
 
-def test_a_weight_that_float16_cannot_hold_is_refused():
-    with pytest.raises(ValueError, match="not exact in float16"):
-        cpu_fp16.blocked(torch.full((8, 16), 1 / 3))
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Each kernel this CPU runs, made the one cpu_fp16 uses."""
+    found = cpu_fp16.kernels()
+    if request.param not in found:
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    monkeypatch.setattr(cpu_fp16, "_kernel", found[request.param])
+    return request.param
 
 
-def test_float16_holds_the_nvfp4_weight_exactly():
+def unblocked(w: torch.Tensor, inp: int) -> torch.Tensor:
+    """A kernel's layout back to [out, in] (without AMX's padding)."""
+    return cpu_fp16.unblocked(w)[:, :inp]
+
+
+@pytest.mark.parametrize("isa", KERNELS)
+def test_a_weight_that_16_bits_cannot_hold_is_refused(isa):
+    with pytest.raises(ValueError, match="not exact in torch.b?float16"):
+        cpu_fp16.blocked(torch.full((16, 16), 1 / 3), isa)
+
+
+@pytest.mark.parametrize("isa", KERNELS)
+def test_16_bits_hold_the_nvfp4_weight_exactly(isa):
     w = nvfp4(32, 64, seed=0)
-    w16 = unblocked(cpu_fp16.blocked(w.unscaled())).double()
+    w16 = unblocked(cpu_fp16.blocked(w.unscaled(), isa), 64).double()
     values = qf.e2m1_decode(qf.unpack_e2m1(w.packed), torch.float64).reshape(32, -1, 16)
     exact = values * w.weight_scale.double().unsqueeze(-1)  # E2M1 x E4M3, no rounding in float64
     assert torch.equal(w16, exact.reshape(32, 64))
@@ -44,29 +59,32 @@ def test_float16_holds_the_nvfp4_weight_exactly():
 
 
 @pytest.mark.parametrize("out,inp", [(16, 16), (48, 80), (192, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 64, 128])
-def test_kernel_matches_float64(out, inp, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 32, 64, 128])
+def test_kernel_matches_float64(out, inp, rows, kernel):
     w = nvfp4(out, inp, seed=rows)
     w16 = cpu_fp16.blocked(w.unscaled())
     g = float(w.weight_scale_2)
     x = torch.randn(rows, inp)
-    dense = unblocked(w16).double() * g
+    dense = unblocked(w16, inp).double() * g
     exact = x.double() @ dense.T
     # one float32 sum of `inp` exact products (FMA), then one product by g: |error| <= gamma *
-    # sum |x||w| with gamma = n u / (1 - n u), n = inp + 1 roundings of u = 2^-24 each
-    n, u = inp + 1, 2.0**-24
+    # sum |x||w| with gamma = n u / (1 - n u), n = inp + 1 roundings of u = 2^-24 each. AMX sums
+    # 3 exact products per weight (x's three bfloat16 parts, each with x's sign, summing to x) in
+    # two sums, then adds them: n = 3 inp + 2.
+    n, u = (3 * inp + 2 if kernel == "amx" else inp + 1), 2.0**-24
     bound = (x.double().abs() @ dense.abs().T) * (n * u / (1 - n * u))
     got = cpu_fp16.linear(x, w16, g)
     assert got.dtype == torch.float32 and got.shape == (rows, out)
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    w = nvfp4(64, 96, seed=3)
+@pytest.mark.parametrize("rows", [17, 40])
+def test_a_rows_result_does_not_depend_on_the_other_rows(rows, kernel):
+    w = nvfp4(80, 96, seed=3)  # 5 panels: AMX's last pair has one
     w16, g = cpu_fp16.blocked(w.unscaled()), float(w.weight_scale_2)
-    x = torch.randn(17, 96)
-    together = cpu_fp16.linear(x, w16, g)  # tiles of 6, 6 and 5 rows (AVX-512: 8, 8, 1)
-    for lo, hi in [(0, 1), (3, 5), (1, 4), (2, 9), (6, 11), (4, 17), (11, 17)]:
+    x = torch.randn(rows, 96)
+    together = cpu_fp16.linear(x, w16, g)  # 17 rows: tiles of 6, 6, 5 (AVX-512 8, 8, 1; AMX 16, 1)
+    for lo, hi in [(0, 1), (3, 5), (1, 4), (2, 9), (6, 11), (4, 17), (11, 17), (0, 16)]:
         assert torch.equal(cpu_fp16.linear(x[lo:hi], w16, g), together[lo:hi])
 
 
@@ -74,8 +92,9 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 @pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 9, 12, 13, 16, 25, 32, 40, 128])
 def test_the_avx512_kernel_gives_the_avx2_kernels_bits(rows, monkeypatch):
     w = nvfp4(80, 576, seed=rows)
-    w16, g = cpu_fp16.blocked(w.unscaled()), float(w.weight_scale_2)
+    w16, g = cpu_fp16.blocked(w.unscaled(), "avx512"), float(w.weight_scale_2)
     x = torch.randn(rows, 576)
+    monkeypatch.setenv("DFLASH_TRT_CPU_FP16", "avx512")
     monkeypatch.setattr(cpu_fp16, "_kernel", False)
     wide = cpu_fp16.linear(x, w16, g)
     assert cpu_fp16.load().__name__ == "fp16_linear_avx512"
@@ -89,7 +108,11 @@ def test_the_avx512_kernel_gives_the_avx2_kernels_bits(rows, monkeypatch):
 @pytest.mark.skipif(not cpu_fp16._cpu_has("avx512f"), reason="this CPU has no AVX-512F")
 def test_each_kernel_takes_calls_up_to_its_own_row_count(monkeypatch):
     monkeypatch.setattr(cpu_fp16, "_kernel", False)
-    assert cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["avx512"] == 128
+    assert cpu_fp16.isa() == "avx512" and cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["avx512"] == 128
+    if "amx" in cpu_fp16.kernels():  # only when asked for
+        monkeypatch.setenv("DFLASH_TRT_CPU_FP16", "amx")
+        monkeypatch.setattr(cpu_fp16, "_kernel", False)
+        assert cpu_fp16.isa() == "amx" and cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["amx"] == 512
     monkeypatch.setenv("DFLASH_TRT_CPU_FP16", "avx2")
     monkeypatch.setattr(cpu_fp16, "_kernel", False)
     assert cpu_fp16.max_rows() == cpu_fp16.MAX_ROWS["avx2"] == 32
@@ -157,7 +180,7 @@ def write_nvfp4_checkpoint(path):
     return path
 
 
-def test_engine_on_the_kernel_stays_lossless(tmp_path):
+def test_engine_on_the_kernel_stays_lossless(tmp_path, kernel):
     from dflash_trt.engines.base import SamplingParams, collect
     from dflash_trt.engines.torch_engine import TorchEngine
 

@@ -1,4 +1,4 @@
-"""NVFP4 weights read as float16 on CPU: half the bytes a decoding step streams.
+"""NVFP4 weights read as 16-bit floats on CPU: half the bytes a decoding step streams.
 
 On a CPU a decoding step's linear layers stream every weight once whatever the row count, and the
 torch engine dequantizes NVFP4 weights to float32 at load: 4 bytes per weight. An NVFP4 weight is
@@ -21,7 +21,12 @@ batch of one would. Beyond that (long prompt chunks) oneDNN's packed float32 ker
 On a CPU with AVX-512F a second kernel runs: the same operations in the same order per (row,
 output), so the same bits, with a panel's 16 outputs in one register and, from 6 rows on, two
 panels per tile of up to 8 rows (16 sums in registers, each broadcast of an input serving 32
-outputs); DFLASH_TRT_CPU_FP16=avx2 keeps the AVX2 one (to compare them).
+outputs). On a CPU with AMX (AMX-TILE, AMX-BF16; Sapphire Rapids and later Xeons) a third one
+runs tile matrix multiplies: W16 is exact in bfloat16 as well, x goes in as three bfloat16 parts
+that sum to it exactly, so every product is still exact and y a float32 sum of them (3 per
+weight; other bits than the AVX kernels', the same bound against float64, and a row's result
+again independent of the other rows); it runs where DFLASH_TRT_CPU_FP16=amx asks for it
+(DEFAULT_OFF). DFLASH_TRT_CPU_FP16=avx2 keeps the AVX2 kernel (to compare them).
 
 The kernels are compiled on first use with the system's C++ compiler ($CXX, else g++) into
 $DFLASH_TRT_KERNEL_CACHE (default $XDG_CACHE_HOME or ~/.cache, then dflash-trt/kernels), and run on the OpenMP runtime
@@ -46,8 +51,15 @@ import torch
 # Up to this many rows each kernel beats oneDNN's packed float32 one on the 2-core EPYCs this
 # project measured on (scripts/cpu_linear_bench.py, docs/benchmarks.md): AVX2 1137 against 1661 us
 # at 32 rows on a Zen 1, 320 against 339 on a Zen 4, about even at 64 (session 21); AVX-512 245
-# against 269 us at 64 rows and 454 against 468 at 128 on a Zen 5 (session 27).
-MAX_ROWS = {"avx2": 32, "avx512": 128}
+# against 269 us at 64 rows and 454 against 468 at 128 on a Zen 5 (session 27); AMX 366 against
+# 802 at 128 rows and 1397 against 2712 at 512 on a 2-core Xeon with AMX (session 28), so every
+# prompt chunk (batch.PREFILL_CHUNK, 512) runs on it.
+MAX_ROWS = {"avx2": 32, "avx512": 128, "amx": 512}
+# Kernels `load()` picks only when DFLASH_TRT_CPU_FP16 names them: AMX is 2x the AVX-512 kernel
+# from 12 rows on but 10% slower at 1 row, and end to end it was level with it (docs/benchmarks.md,
+# session 28), so it is not yet the default where both run.
+DEFAULT_OFF = ("amx",)
+NAMES = {"avx2": "fp16_linear", "avx512": "fp16_linear_avx512", "amx": "bf16_linear_amx"}
 PANEL = 16  # outputs per weight panel (cpu_fp16.cpp)
 SOURCE = Path(__file__).with_name("cpu_fp16.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -56,7 +68,8 @@ _kernel: ctypes._CFuncPtr | None | bool = False  # False: not tried yet
 
 def load() -> ctypes._CFuncPtr | None:
     """The compiled kernel for this CPU (`fp16_linear_avx512` where it has AVX-512F, else
-    `fp16_linear`), or None (with one line on stderr saying why) where it cannot run."""
+    `fp16_linear`; DFLASH_TRT_CPU_FP16=avx2, avx512 or amx asks for one), or None (with one line
+    on stderr saying why) where it cannot run."""
     global _kernel
     if _kernel is False:
         lib, why = _build()
@@ -69,29 +82,37 @@ def load() -> ctypes._CFuncPtr | None:
 
 def _pick(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
     choices = kernels(lib)
-    if os.environ.get("DFLASH_TRT_CPU_FP16", "1") == "avx2":
-        return choices["avx2"]
-    return choices.get("avx512", choices["avx2"])
+    wanted = os.environ.get("DFLASH_TRT_CPU_FP16", "1")
+    if wanted in choices:
+        return choices[wanted]
+    return choices.get("avx512", choices["avx2"])  # AMX only when asked (DEFAULT_OFF)
+
+
+def isa() -> str | None:
+    """Which kernel `load()` picked ("avx2", "avx512" or "amx"), None where none runs."""
+    kernel = load()
+    return None if kernel is None else next(k for k, n in NAMES.items() if n == kernel.__name__)
 
 
 def max_rows() -> int:
     """The most rows a call sends to the loaded kernel (MAX_ROWS), 0 where none runs."""
-    kernel = load()
-    if kernel is None:
-        return 0
-    return MAX_ROWS["avx512" if kernel.__name__ == "fp16_linear_avx512" else "avx2"]
+    kernel = isa()
+    return 0 if kernel is None else MAX_ROWS[kernel]
 
 
 def kernels(lib: ctypes.CDLL | None = None) -> dict[str, ctypes._CFuncPtr]:
-    """Every kernel this CPU can run ("avx2", and "avx512" with AVX-512F), not only the one
-    `load()` picks; empty where none can (scripts/cpu_linear_bench.py times them side by side)."""
+    """Every kernel this CPU can run ("avx2"; "avx512" with AVX-512F; "amx" with AMX-BF16 and
+    the tile state Linux granted), not only the one `load()` picks; empty where none can
+    (scripts/cpu_linear_bench.py times them side by side)."""
     if lib is None:
         if load() is None:
             return {}
         lib, _ = _build()
-    names = {"avx2": "fp16_linear"}
+    names = {"avx2": NAMES["avx2"]}
     if _cpu_has("avx512f"):
-        names["avx512"] = "fp16_linear_avx512"
+        names["avx512"] = NAMES["avx512"]
+    if _amx(lib):
+        names["amx"] = NAMES["amx"]
     found = {}
     for isa, name in names.items():
         kernel = getattr(lib, name)
@@ -100,6 +121,15 @@ def kernels(lib: ctypes.CDLL | None = None) -> dict[str, ctypes._CFuncPtr]:
         kernel.restype = None
         found[isa] = kernel
     return found
+
+
+def _amx(lib: ctypes.CDLL) -> bool:
+    """This CPU has AMX-BF16 (and AVX-512BW), the library has its kernel, and Linux grants the
+    process the tile state (asked once; the grant is the process's)."""
+    if not (_cpu_has("amx_tile", "amx_bf16", "avx512f", "avx512bw")
+            and hasattr(lib, "amx_enable")):
+        return False
+    return lib.amx_enable() == 0
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -148,30 +178,44 @@ def _cpu_has(*flags: str) -> bool:
 
 
 def fits(out_features: int, in_features: int) -> bool:
-    """The kernel's shapes: outputs in multiples of 16."""
+    """The kernels' shapes: outputs in multiples of 16 (any number of inputs)."""
     return out_features % PANEL == 0 and in_features > 0
 
 
-def blocked(unscaled: torch.Tensor) -> torch.Tensor:
+def blocked(unscaled: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
     """An NVFP4 weight before its weight_scale_2 (formats.qformats.NVFP4Weight.unscaled, [out,
-    in]) -> float16 in the kernel's layout, panels of 16 outputs [out/16, in, 16]; exact, or
-    ValueError."""
+    in]) -> the layout of `kernel` (default: the one `load()` picks), exact, or ValueError.
+    AVX2 and AVX-512: float16 panels of 16 outputs [out/16, in, 16]. AMX: bfloat16 pairs
+    [out/16, in'/2, 16, 2] with the inputs padded by zero weights to in', a multiple of 32."""
     out, inp = unscaled.shape
-    w16 = unscaled.to(torch.float16)
-    if not torch.equal(w16.to(unscaled.dtype), unscaled):
-        raise ValueError("the weight is not exact in float16; it is not an NVFP4 weight")
-    return w16.reshape(out // PANEL, PANEL, inp).transpose(1, 2).contiguous()
+    amx = (kernel or isa()) == "amx"
+    half = unscaled.to(torch.bfloat16 if amx else torch.float16)
+    if not torch.equal(half.to(unscaled.dtype), unscaled):
+        raise ValueError(f"the weight is not exact in {half.dtype}; it is not an NVFP4 weight")
+    if not amx:
+        return half.reshape(out // PANEL, PANEL, inp).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(half, (0, -inp % 32))
+    return padded.reshape(out // PANEL, PANEL, -1, 2).transpose(1, 2).contiguous() \
+        .view(torch.int16)
 
 
-def linear(x: torch.Tensor, w16: torch.Tensor, g: float) -> torch.Tensor:
-    """x (rows, in) float32 @ W.T * g with W16 from `blocked`; rows <= max_rows() is the fast
-    case, any row count is correct."""
+def unblocked(w: torch.Tensor) -> torch.Tensor:
+    """`blocked`'s result back to the weight [out, in'] (in' = in padded, for AMX), float32."""
+    if w.dim() == 3:  # float16 panels [out/16, in, 16]
+        return w.transpose(1, 2).reshape(w.shape[0] * PANEL, -1).float()
+    half = w.view(torch.bfloat16)  # [out/16, in'/2, 16, 2]
+    return half.transpose(1, 2).reshape(w.shape[0] * PANEL, -1).float()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, g: float) -> torch.Tensor:
+    """x (rows, in) float32 @ W.T * g with W from `blocked` for the loaded kernel; rows <=
+    max_rows() is the fast case, any row count is correct."""
     kernel = load()
     if kernel is None:
-        raise RuntimeError("the float16 CPU kernel is not available here")
+        raise RuntimeError("the CPU weight kernel is not available here")
     x = x.contiguous()
     rows, inp = x.shape
-    out = w16.numel() // inp
+    out = w.shape[0] * PANEL
     y = torch.empty(rows, out, dtype=torch.float32)
-    kernel(x.data_ptr(), w16.data_ptr(), g, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+    kernel(x.data_ptr(), w.data_ptr(), g, y.data_ptr(), rows, inp, out, torch.get_num_threads())
     return y
