@@ -1,6 +1,7 @@
-"""Time one SmolLM2-135M projection (576 -> 1536) for 1..128 rows: PyTorch's default CPU matmul and
+"""Time one SmolLM2-135M projection (576 -> 1536) for 1..512 rows: PyTorch's default CPU matmul and
 oneDNN with a packed weight (dflash/cpu_linear.py), both float32, against the float16 kernels for
-NVFP4 weights (dflash/cpu_fp16.py: the AVX2 one, and the AVX-512 one where the CPU has AVX-512F).
+NVFP4 weights (dflash/cpu_fp16.py: the AVX2 one, the AVX-512 one where the CPU has AVX-512F, the
+AMX bfloat16 one where it has AMX).
 Microseconds per call, the best of 3 interleaved rounds.
 
     .venv/bin/python scripts/cpu_linear_bench.py [THREADS] [--copies N]
