@@ -78,6 +78,13 @@ def test_kernel_matches_float64(out, inp, rows, kernel):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+def test_a_weight_in_another_kernels_layout_is_refused(kernel):
+    w = nvfp4(32, 64, seed=2)
+    other = "avx512" if kernel == "amx" else "amx"
+    with pytest.raises(ValueError, match="blocked for another kernel"):
+        cpu_fp16.linear(torch.randn(2, 64), cpu_fp16.blocked(w.unscaled(), other), 1.0)
+
+
 @pytest.mark.parametrize("rows", [17, 40])
 def test_a_rows_result_does_not_depend_on_the_other_rows(rows, kernel):
     w = nvfp4(80, 96, seed=3)  # 5 panels: AMX's last pair has one

@@ -85,7 +85,7 @@ def _pick(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
     wanted = os.environ.get("DFLASH_TRT_CPU_FP16", "1")
     if wanted in choices:
         return choices[wanted]
-    return choices.get("avx512", choices["avx2"])  # AMX only when asked (DEFAULT_OFF)
+    return next(choices[k] for k in ("avx512", "avx2") if k in choices and k not in DEFAULT_OFF)
 
 
 def isa() -> str | None:
@@ -213,6 +213,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, g: float) -> torch.Tensor:
     kernel = load()
     if kernel is None:
         raise RuntimeError("the CPU weight kernel is not available here")
+    if w.dim() != (4 if isa() == "amx" else 3):  # another kernel's layout would read past it
+        raise ValueError(f"a weight blocked for another kernel (shape {tuple(w.shape)}) than the "
+                         f"loaded {isa()} one; block it with cpu_fp16.blocked(w) after load()")
     x = x.contiguous()
     rows, inp = x.shape
     out = w.shape[0] * PANEL
