@@ -59,7 +59,7 @@ def test_16_bits_hold_the_nvfp4_weight_exactly(isa):
 
 
 @pytest.mark.parametrize("out,inp", [(16, 16), (48, 80), (192, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 32, 64, 128, 512])
 def test_kernel_matches_float64(out, inp, rows, kernel):
     w = nvfp4(out, inp, seed=rows)
     w16 = cpu_fp16.blocked(w.unscaled())
