@@ -238,11 +238,13 @@ AMXFN static void tile_pair(const uint16_t* xs, int64_t plane, int64_t Kp, int64
     }
 }
 
-extern "C" AMXFN void bf16_linear_amx(const float* x, const uint16_t* w, float g, float* y,
-                                      int64_t M, int64_t K, int64_t N, int threads) {
+// Returns 0, or -1 where its scratch (x split in three, about 6 x M x K bytes) cannot be had.
+extern "C" AMXFN int bf16_linear_amx(const float* x, const uint16_t* w, float g, float* y,
+                                     int64_t M, int64_t K, int64_t N, int threads) {
   const int64_t Kp = (K + 31) / 32 * 32, rb = M < 16 ? M : 16, Mp = (M + rb - 1) / rb * rb;
   const int64_t plane = Mp * Kp, panels = N / 16, pairs = (panels + 1) / 2;
   uint16_t* parts = (uint16_t*)aligned_alloc(64, (sizeof(uint16_t) * 3 * plane + 63) / 64 * 64);
+  if (parts == nullptr) return -1;
   split(x, M, K, Kp, rb, plane, parts);
 #pragma omp parallel num_threads(threads)
   {
@@ -258,5 +260,6 @@ extern "C" AMXFN void bf16_linear_amx(const float* x, const uint16_t* w, float g
     _tile_release();
   }
   free(parts);
+  return 0;
 }
 #endif

@@ -118,7 +118,7 @@ def kernels(lib: ctypes.CDLL | None = None) -> dict[str, ctypes._CFuncPtr]:
         kernel = getattr(lib, name)
         kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        kernel.restype = None
+        kernel.restype = ctypes.c_int if isa == "amx" else None  # AMX: 0, or -1 (no scratch)
         found[isa] = kernel
     return found
 
@@ -220,5 +220,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, g: float) -> torch.Tensor:
     rows, inp = x.shape
     out = w.shape[0] * PANEL
     y = torch.empty(rows, out, dtype=torch.float32)
-    kernel(x.data_ptr(), w.data_ptr(), g, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+    if kernel(x.data_ptr(), w.data_ptr(), g, y.data_ptr(), rows, inp, out,
+              torch.get_num_threads()):
+        raise MemoryError(f"the {isa()} kernel could not allocate its scratch for {rows} rows "
+                          f"x {inp} inputs")
     return y
