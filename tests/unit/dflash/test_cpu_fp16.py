@@ -85,6 +85,23 @@ def test_a_weight_in_another_kernels_layout_is_refused(kernel):
         cpu_fp16.linear(torch.randn(2, 64), cpu_fp16.blocked(w.unscaled(), other), 1.0)
 
 
+def test_a_kernel_without_scratch_raises_memory_error(monkeypatch):
+    """The AMX kernel returns -1 where aligned_alloc fails; linear says so, it returns nothing.
+    A stand-in with the kernel's name returns it here (the real one needs an AMX CPU)."""
+    calls = []
+
+    def bf16_linear_amx(*args):
+        calls.append(args)
+        return -1
+
+    monkeypatch.setattr(cpu_fp16, "_kernel", bf16_linear_amx)
+    w = cpu_fp16.blocked(nvfp4(32, 64, seed=4).unscaled(), "amx")
+    with pytest.raises(MemoryError, match="amx kernel could not allocate its scratch for 3 rows "
+                                          "x 64 inputs"):
+        cpu_fp16.linear(torch.randn(3, 64), w, 1.0)
+    assert len(calls) == 1 and calls[0][4:7] == (3, 64, 32)  # rows, inputs, outputs
+
+
 @pytest.mark.parametrize("rows", [17, 40])
 def test_a_rows_result_does_not_depend_on_the_other_rows(rows, kernel):
     w = nvfp4(80, 96, seed=3)  # 5 panels: AMX's last pair has one
